@@ -1,0 +1,62 @@
+"""Step costs for the analytic speed-up limit, measured at a given batch size and context.
+
+With a one-token target step at batch size B as the unit:
+    c = cost of one draft step (one token per row)
+    v = cost of one verify step (γ + 1 tokens per row)
+and acceptance α, a round emits (1 - α^(γ+1)) / (1 - α) tokens per row for γ·c + v units, so
+
+    ideal_speedup = (1 - α^(γ+1)) / ((1 - α) (γ·c + v)).
+
+Everything a real method loses beyond these costs (alignment, bookkeeping, idle rows) shows as
+efficiency = speedup / ideal_speedup < 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..core.batch_cache import BatchKV
+from ..core.runner import kv_shape
+
+
+def ideal_speedup(alpha: float, gamma: int, c: float, v: float) -> float:
+    tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * c + v)
+
+
+def step_time(model, batch: int, context: int, tokens: int, repeats: int = 7) -> float:
+    """Median seconds of one forward of `tokens` tokens per row over a `context`-token KV cache."""
+    layers, heads, head_dim = kv_shape(model)
+    capacity = context + tokens
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    buf = torch.randn(layers, 2, heads, batch * capacity, head_dim, generator=gen).to(model.device, model.dtype)
+    kv = BatchKV(buf, batch, capacity, context)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (batch, tokens), generator=gen).to(model.device)
+    mask = torch.ones(batch, capacity, dtype=torch.bool, device=model.device)
+    positions = (torch.arange(context, capacity, device=model.device)[None, :]).expand(batch, -1)
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 2):
+            kv.width = context
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            start = time.perf_counter()
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv,
+                  use_cache=True, logits_to_keep=tokens)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            if i >= 2:  # warm-up
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def step_costs(target, draft, batch: int, context: int, gamma: int) -> dict:
+    """{"c": draft step / target step, "v": (γ+1)-token verify / target step, "target_step_s": ...}."""
+    t1 = step_time(target, batch, context, 1)
+    tv = step_time(target, batch, context, gamma + 1)
+    td = step_time(draft, batch, context, 1) if draft is not None else 0.0
+    return {"c": td / t1, "v": tv / t1, "target_step_s": t1, "draft_step_s": td, "verify_step_s": tv}

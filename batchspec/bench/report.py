@@ -1,0 +1,28 @@
+"""The benchmark's Markdown table."""
+
+from __future__ import annotations
+
+
+def _x(value, fmt="{:.2f}", suffix="") -> str:
+    return "-" if value is None else fmt.format(value) + suffix
+
+
+def markdown_table(results: list[dict]) -> str:
+    head = ("| method | drafter | bs | γ | tokens/s (min–max) | speedup | vs bs1 | vs hf_generate | vs hf_assisted "
+            "| accept | tok/round | draft/verify/align/other % | ideal | efficiency | peak MB |")
+    lines = [head, "|" + "|".join(["---"] * 15) + "|"]
+    for r in results:
+        share = r.get("time_share")
+        shares = "/".join(f"{100 * share[k]:.0f}" for k in ("draft", "verify", "align", "other")) if share else "-"
+        drafter = r.get("drafter") or "-"
+        if r.get("synthetic"):
+            drafter += " (synthetic)"
+        tps = f"{r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}–{r['tokens_per_s_max']:.1f})"
+        lines.append(
+            f"| {r['method']} | {drafter} | {r['batch_size']} | {r['gamma'] or '-'} | {tps} "
+            f"| {_x(r.get('speedup'))} | {_x(r.get('speedup_vs_bs1'))} | {_x(r.get('vs_hf_generate'))} "
+            f"| {_x(r.get('vs_hf_assisted'))} | {_x(r.get('acceptance_rate'), '{:.3f}')} "
+            f"| {_x(r.get('tokens_per_round'))} | {shares} | {_x(r.get('ideal_speedup'))} "
+            f"| {_x(r.get('efficiency'))} | {r['peak_memory_mb']:.0f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,187 @@
+"""`batchspec bench`: one measuring path for every method, the baseline and the peers included.
+
+For every cell (method x batch size x γ x drafter, plus the transformers peers) the same
+seeded workload is generated after an untimed warm-up; `--repeat` rounds are interleaved
+(cells in forward order, then reverse, A B B A ...) so a machine whose speed drifts favours no
+one, and medians are reported. Ratios are always between cells measured in the same run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ..config import EngineConfig
+from ..engine import SpecEngine
+from ..sampling import SamplingParams
+from .costs import ideal_speedup, step_costs
+from .machine import PeakMemory
+from .peers import hf_assisted, hf_generate
+
+OURS = ("autoregressive", "eqspec", "exspec")
+
+
+@dataclass(frozen=True)
+class Cell:
+    method: str
+    batch_size: int
+    gamma: int | None = None
+    drafter: str | None = None
+
+    @property
+    def label(self) -> str:
+        parts = [self.method, f"bs={self.batch_size}"]
+        if self.gamma is not None:
+            parts.append(f"γ={self.gamma}")
+        if self.drafter not in (None, "draft_model"):
+            parts.append(self.drafter)
+        return " ".join(parts)
+
+
+def plan(methods: list[str], batch_sizes: list[int], gammas: list[int], drafters: list[str],
+         peers: bool) -> tuple[list[Cell], list[str]]:
+    """The grid, ordered so our methods and the peers alternate; plus notes on what was left out."""
+    cells, notes = [], []
+    for bs in batch_sizes:
+        if "autoregressive" in methods:
+            cells.append(Cell("autoregressive", bs))
+        if peers:
+            cells.append(Cell("hf_generate", bs))
+        for method in ("eqspec", "exspec"):
+            if method in methods:
+                cells.extend(Cell(method, bs, g, d) for g in gammas for d in drafters)
+        if peers and bs == 1:
+            cells.extend(Cell("hf_assisted", 1, g) for g in gammas)
+    if peers and 1 not in batch_sizes:
+        notes.append("hf_assisted was not run: transformers supports assisted generation at batch size 1 only, "
+                     "and batch size 1 was not requested")
+    elif peers and any(bs != 1 for bs in batch_sizes):
+        others = ", ".join(str(bs) for bs in batch_sizes if bs != 1)
+        notes.append(f"hf_assisted runs at batch size 1 only (transformers raises for larger batches); "
+                     f"no hf_assisted rows at batch sizes {others}")
+    return cells, notes
+
+
+@dataclass
+class Run:
+    tokens: int
+    seconds: float
+    stats: dict | None
+    peak_memory_mb: float
+
+
+class Bench:
+    def __init__(self, pair, prompts: list[list[int]], params: list[SamplingParams], *, window=None,
+                 sort_by_length=False, profile=False, progress: Callable[[str, int, int], None] | None = None) -> None:
+        self.pair, self.prompts, self.params = pair, prompts, params
+        self.window, self.sort_by_length, self.profile = window, sort_by_length, profile
+        self.progress = progress or (lambda label, done, total: None)
+        self.engines: dict[Cell, SpecEngine] = {}
+        self.references: dict[tuple[int, ...], list[int]] | None = None
+
+    def engine(self, cell: Cell) -> SpecEngine:
+        if cell not in self.engines:
+            config = EngineConfig(method=cell.method, batch_size=cell.batch_size, gamma=cell.gamma or 1,
+                                  drafter=cell.drafter or "draft_model", sort_by_length=self.sort_by_length,
+                                  window=self.window if cell.method == "exspec" else None, profile=self.profile)
+            self.engines[cell] = SpecEngine(self.pair, config)
+        return self.engines[cell]
+
+    def run(self, cell: Cell, prompts=None, params=None) -> Run:
+        prompts, params = prompts or self.prompts, params or self.params
+        with PeakMemory(self.pair.target.device) as mem:
+            if cell.method == "hf_generate":
+                outs, seconds = hf_generate(self.pair, prompts, params[0], cell.batch_size)
+                stats = None
+            elif cell.method == "hf_assisted":
+                outs, seconds = hf_assisted(self.pair, prompts, params[0], cell.gamma)
+                stats = None
+            else:
+                engine = self.engine(cell)
+                results = engine.generate(prompts, params, references=self.references)
+                outs, seconds, stats = [o.token_ids for o in results], engine.stats.wall, engine.stats.summary()
+        return Run(sum(len(o) for o in outs), seconds, stats, mem.peak_mb)
+
+    def measure(self, cells: list[Cell], repeat: int) -> dict[Cell, list[Run]]:
+        if any(c.drafter and c.drafter.startswith("oracle") for c in cells):
+            ref_engine = SpecEngine(self.pair, EngineConfig(method="autoregressive", batch_size=8))
+            outs = ref_engine.generate(self.prompts, self.params)
+            self.references = {tuple(p): o.token_ids for p, o in zip(self.prompts, outs)}
+        warm_params = [replace(p, max_new_tokens=min(p.max_new_tokens, 8)) for p in self.params[:2]]
+        total, done = len(cells) * (repeat + 1), 0
+        for cell in cells:  # untimed warm-up
+            self.progress(f"warm-up {cell.label}", done, total)
+            self.run(cell, self.prompts[:2], warm_params)
+            done += 1
+        runs: dict[Cell, list[Run]] = {c: [] for c in cells}
+        for r in range(repeat):
+            for cell in cells if r % 2 == 0 else list(reversed(cells)):
+                self.progress(f"repeat {r + 1}/{repeat} {cell.label}", done, total)
+                runs[cell].append(self.run(cell))
+                done += 1
+        self.progress("done", done, total)
+        return runs
+
+
+def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], pair) -> list[dict]:
+    """One result row per cell with medians, spreads and every ratio to same-run baselines."""
+    tps = {c: [r.tokens / r.seconds for r in rs] for c, rs in runs.items()}
+    med = {c: statistics.median(v) for c, v in tps.items()}
+
+    def base(method: str, bs: int, gamma=None) -> float | None:
+        for c in med:
+            if c.method == method and c.batch_size == bs and (gamma is None or c.gamma == gamma):
+                return med[c]
+        return None
+
+    rows = []
+    for cell, rs in runs.items():
+        middle = sorted(rs, key=lambda r: r.tokens / r.seconds)[len(rs) // 2]
+        ar_same, ar_bs1 = base("autoregressive", cell.batch_size), base("autoregressive", 1)
+        hf_same = base("hf_generate", cell.batch_size)
+        hf_assist = base("hf_assisted", 1, cell.gamma) if cell.batch_size == 1 else None
+        ours = cell.method in OURS
+        row = {
+            "method": cell.method, "batch_size": cell.batch_size, "gamma": cell.gamma,
+            "drafter": cell.drafter if cell.method in ("eqspec", "exspec") else None,
+            "synthetic": bool(cell.drafter and cell.drafter.startswith("oracle")),
+            "tokens": middle.tokens, "seconds": middle.seconds,
+            "tokens_per_s": med[cell], "tokens_per_s_min": min(tps[cell]), "tokens_per_s_max": max(tps[cell]),
+            "repeats": len(rs),
+            "speedup": med[cell] / ar_same if ar_same else None,
+            "speedup_vs_bs1": med[cell] / ar_bs1 if ar_bs1 else None,
+            "vs_hf_generate": med[cell] / hf_same if ours and hf_same else None,
+            "vs_hf_assisted": med[cell] / hf_assist if ours and hf_assist else None,
+            "peak_memory_mb": max(r.peak_memory_mb for r in rs),
+        }
+        stats = middle.stats
+        if stats is not None:
+            hist = Counter()
+            for r in rs:
+                hist.update({int(k): v for k, v in r.stats["accept_hist"].items()})
+            row.update({k: stats[k] for k in ("acceptance_rate", "tokens_per_round", "time_share", "grouping_rate",
+                                              "realigned_rows_per_round", "padding_tokens_per_round",
+                                              "mean_batch_occupancy")})
+            row["accept_hist"] = {str(k): hist[k] for k in sorted(hist)}
+        if cell.method in ("eqspec", "exspec") and (cell.batch_size, cell.gamma) in costs:
+            cost = costs[(cell.batch_size, cell.gamma)]
+            alpha = stats["acceptance_rate"] or 0.0
+            row["c"], row["v"] = cost["c"], cost["v"]
+            row["ideal_speedup"] = ideal_speedup(alpha, cell.gamma, cost["c"], cost["v"])
+            row["efficiency"] = row["speedup"] / row["ideal_speedup"] if row["speedup"] else None
+        elif cell.method == "autoregressive":
+            row["ideal_speedup"], row["efficiency"] = 1.0, row["speedup"]
+        rows.append(row)
+    return rows
+
+
+def measure_costs(pair, cells: list[Cell], context: int) -> dict[tuple[int, int], dict]:
+    out = {}
+    for cell in cells:
+        if cell.method in ("eqspec", "exspec") and (cell.batch_size, cell.gamma) not in out:
+            # the oracle drafter runs the draft model when there is one, so c is the same
+            out[(cell.batch_size, cell.gamma)] = step_costs(pair.target, pair.draft, cell.batch_size, context,
+                                                            cell.gamma)
+    return out

@@ -1,0 +1,265 @@
+"""The `batchspec` command line: generate, verify, bench."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Exact batch speculative decoding for Hugging Face causal LMs.")
+console = Console(stderr=True)
+
+TARGET = typer.Option(None, "--target", help="Target model: local path or hub id [default: bundled target]")
+DRAFT = typer.Option(None, "--draft", help="Draft model sharing the target's tokenizer [default: bundled draft]")
+DTYPE = typer.Option("auto", "--dtype", help="float32 (CPU default), bfloat16 (CUDA default), float16, float64")
+DEVICE = typer.Option("auto", "--device", help="cpu, cuda or cuda:N [default: cuda if available]")
+PROMPTS = typer.Option(None, "--prompts", help="JSONL prompt file [default: the bundled held-out prompts]")
+GAMMA = typer.Option(5, "--gamma", help="Draft tokens per round")
+MAX_NEW = typer.Option(128, "--max-new-tokens", help="Tokens to generate per prompt (exact cap)")
+TEMPERATURE = typer.Option(0.0, "--temperature", help="0 = greedy")
+TOP_K = typer.Option(0, "--top-k", help="0 = off")
+TOP_P = typer.Option(1.0, "--top-p", help="1.0 = off")
+SEED = typer.Option(None, "--seed", help="Run seed: request i gets a seed derived from it and i")
+WINDOW = typer.Option(None, "--window", help="exspec: sequences in flight [default: 4 x batch size]")
+SORT = typer.Option(False, "--sort-by-length", help="Admit prompts shortest first")
+DRAFTER = typer.Option("draft_model", "--drafter", help="draft_model, or oracle:<p> (synthetic, for overhead studies)")
+
+
+def parse_list(text: str, kind=str, name: str = "list") -> list:
+    try:
+        items = [kind(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{name} must be a comma-separated list, got {text!r}") from None
+    if not items:
+        raise typer.BadParameter(f"{name} is empty")
+    return items
+
+
+def fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+def sampling_params(max_new_tokens, temperature, top_k, top_p, seed, count):
+    from .sampling import SamplingParams, request_seed
+
+    base = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    if seed is None:
+        return [SamplingParams(**base)] * count
+    return [SamplingParams(**base, seed=request_seed(seed, i)) for i in range(count)]
+
+
+def read_prompts(prompt: list[str] | None, prompts: Path | None, num_prompts: int | None) -> list[str]:
+    from .prompts import load_prompts
+
+    if prompt and prompts:
+        raise ValueError("give --prompt or --prompts, not both")
+    if prompt:
+        return list(prompt)[:num_prompts] if num_prompts else list(prompt)
+    return load_prompts(prompts, num_prompts)
+
+
+def progress_bar(tokens: bool = True) -> Progress:
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()]
+    if tokens:
+        columns.append(TextColumn("{task.fields[toks]} tokens"))
+    return Progress(*columns, TimeElapsedColumn(), console=console, transient=True)
+
+
+@app.command()
+def generate(
+    target: str = TARGET, draft: str = DRAFT,
+    method: str = typer.Option("eqspec", "--method", help="autoregressive, eqspec or exspec"),
+    batch_size: int = typer.Option(8, "--batch-size"), gamma: int = GAMMA, max_new_tokens: int = MAX_NEW,
+    prompt: list[str] = typer.Option(None, "--prompt", help="A prompt (repeatable)"), prompts: Path = PROMPTS,
+    num_prompts: int = typer.Option(None, "--num-prompts",
+                                    help="Use only the first N prompts [default: all of --prompts, 8 bundled ones]"),
+    chat: bool = typer.Option(False, "--chat", help="Wrap prompts in the tokenizer's chat template"),
+    output: Path = typer.Option(None, "--output", help="Write outputs as JSONL"),
+    temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
+    window: int = WINDOW, sort_by_length: bool = SORT, drafter: str = DRAFTER,
+    dtype: str = DTYPE, device: str = DEVICE,
+    quiet: bool = typer.Option(False, "--quiet", help="Do not print completions"),
+):
+    """Generate completions for prompts and print them with a closing stats line."""
+    from .config import EngineConfig
+    from .engine import SpecEngine
+    from .prompts import chat_token_ids
+
+    try:
+        if num_prompts is None and not prompt and prompts is None:
+            num_prompts = 8
+        texts = read_prompts(prompt, prompts, num_prompts)
+        params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, len(texts))
+        config = EngineConfig(method=method, gamma=gamma, batch_size=batch_size, window=window,
+                              sort_by_length=sort_by_length, drafter=drafter)
+        if output is not None and not output.parent.exists():
+            raise ValueError(f"output folder {output.parent} does not exist")
+        engine = SpecEngine.from_pretrained(target, draft, config, dtype=dtype, device=device)
+        inputs = chat_token_ids(engine.pair.tokenizer, texts) if chat else texts
+        with progress_bar() as bar:
+            task = bar.add_task(f"{method} bs={batch_size}", total=len(texts), toks=0)
+            outs = engine.generate(inputs, params,
+                                   progress=lambda n: bar.update(task, advance=1,
+                                                                 toks=bar.tasks[task].fields["toks"] + n))
+    except ValueError as exc:
+        fail(str(exc))
+    if not quiet:
+        for text, out in zip(texts, outs):
+            console.rule(f"[{out.index}] {out.finish_reason}, {len(out.token_ids)} tokens")
+            typer.echo(text + out.text if not chat else out.text)
+    if output is not None:
+        with open(output, "w") as f:
+            for text, out in zip(texts, outs):
+                f.write(json.dumps({"prompt": text, "text": out.text, "token_ids": out.token_ids,
+                                    "finish_reason": out.finish_reason}) + "\n")
+    s = engine.stats.summary()
+    tokens = sum(len(o.token_ids) for o in outs)
+    acc = f"{s['acceptance_rate']:.3f}" if s["acceptance_rate"] is not None else "n/a"
+    console.print(f"[bold]{method}[/] bs={batch_size} gamma={gamma if config.speculative else '-'}: "
+                  f"{len(outs)} prompts, {tokens} tokens in {engine.stats.wall:.2f}s = "
+                  f"{tokens / max(engine.stats.wall, 1e-9):.1f} tokens/s, acceptance {acc}, "
+                  f"{s['tokens_per_round']:.2f} tokens/round")
+
+
+@app.command()
+def verify(
+    target: str = TARGET, draft: str = DRAFT,
+    methods: str = typer.Option("autoregressive,eqspec,exspec", "--methods", help="Comma-separated methods"),
+    batch_sizes: str = typer.Option("1,2,8", "--batch-sizes", help="Comma-separated batch sizes"),
+    gamma: int = GAMMA, max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    prompts: Path = PROMPTS, num_prompts: int = typer.Option(16, "--num-prompts"),
+    drafter: str = DRAFTER, window: int = WINDOW,
+    hf_check: int = typer.Option(3, "--hf-check", help="Prompts on which the reference is checked against "
+                                                        "transformers' generate (0 = skip)"),
+    dtype: str = DTYPE, device: str = DEVICE,
+    json_path: Path = typer.Option(None, "--json", help="Write results as JSON"),
+):
+    """Check that every method's greedy output equals target-only greedy decoding, token for token."""
+    from .harness import check_reference_against_hf, reference_outputs, run_equivalence
+    from .models import load_pair
+    from .sampling import SamplingParams
+
+    try:
+        method_list = parse_list(methods, str, "--methods")
+        sizes = parse_list(batch_sizes, int, "--batch-sizes")
+        from .config import EngineConfig
+
+        for m in method_list:
+            for bs in sizes:
+                EngineConfig(method=m, batch_size=bs, gamma=gamma, drafter=drafter,
+                             window=window if m == "exspec" else None)
+        texts = read_prompts(None, prompts, num_prompts)
+        params = SamplingParams(max_new_tokens=max_new_tokens)
+        needs_draft = any(m != "autoregressive" for m in method_list) and drafter == "draft_model"
+        pair = load_pair(target, draft, dtype=dtype, device=device, need_draft=needs_draft)
+        ids = [pair.tokenizer(t)["input_ids"] for t in texts]
+        with console.status("reference: target-only greedy, batch size 1"):
+            refs = reference_outputs(pair, ids, params)
+        hf = None
+        if hf_check > 0:
+            with console.status("checking the reference against transformers' generate"):
+                hf = check_reference_against_hf(pair, ids[:hf_check], refs[:hf_check], params)
+        with progress_bar(tokens=False) as bar:
+            task = bar.add_task("verify", total=len(method_list) * len(sizes))
+            results = run_equivalence(pair, ids, method_list, sizes, gamma, params, drafter=drafter,
+                                      window=window, references=refs,
+                                      on_result=lambda r: bar.update(task, advance=1))
+    except ValueError as exc:
+        fail(str(exc))
+    table = Table(title=f"output equivalence vs target-only greedy (bs=1), {len(ids)} prompts, "
+                        f"{max_new_tokens} new tokens, dtype {dtype}")
+    for col in ("method", "batch", "gamma", "exact match", "partial match", "acceptance"):
+        table.add_column(col, justify="right")
+    for r in results:
+        acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
+        table.add_row(r["method"], str(r["batch_size"]), str(r["gamma"] or "-"), f"{r['exact_match']:.3f}",
+                      f"{r['partial_match']:.3f}", acc)
+    Console().print(table)
+    if hf is not None:
+        verdict = "identical" if hf["identical"] else f"DIFFERENT (exact {hf['exact_match']:.2f})"
+        Console().print(f"reference vs transformers generate(do_sample=False) on {hf['prompts']} prompts: {verdict}")
+    if json_path is not None:
+        payload = {"config": {"target": pair.target_name, "draft": pair.draft_name, "gamma": gamma,
+                              "max_new_tokens": max_new_tokens, "dtype": dtype, "drafter": drafter},
+                   "reference_check": hf, "results": results}
+        json_path.write_text(json.dumps(payload, indent=2))
+    bad = [r for r in results if r["exact_match"] < 1.0]
+    if bad or (hf is not None and not hf["identical"]):
+        raise typer.Exit(1)
+
+
+@app.command()
+def bench(
+    target: str = TARGET, draft: str = DRAFT, prompts: Path = PROMPTS,
+    num_prompts: int = typer.Option(32, "--num-prompts"),
+    methods: str = typer.Option("autoregressive,eqspec,exspec", "--methods"),
+    batch_sizes: str = typer.Option("1,4,8,16,32", "--batch-sizes"),
+    gamma: str = typer.Option("5", "--gamma", help="Comma-separated γ values"),
+    drafters: str = typer.Option("draft_model", "--drafters", help="Comma-separated: draft_model, oracle:<p>"),
+    max_new_tokens: int = MAX_NEW,
+    peers: str = typer.Option("", "--peers", help="'hf' adds transformers generate / assisted generation"),
+    repeat: int = typer.Option(1, "--repeat", help="Timed rounds per cell (interleaved); medians are reported"),
+    temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
+    window: int = WINDOW, sort_by_length: bool = SORT,
+    profile: bool = typer.Option(False, "--profile", help="CUDA: synchronise at stage boundaries for exact "
+                                                          "time shares"),
+    dtype: str = DTYPE, device: str = DEVICE,
+    json_path: Path = typer.Option(None, "--json", help="Write the full report as JSON"),
+    plots: Path = typer.Option(None, "--plots", help="Folder for PNG plots"),
+):
+    """Throughput, speed-ups, overhead anatomy and the analytic limit for a grid of settings."""
+    from .bench import markdown_table, run_bench
+    from .config import EngineConfig
+    from .drafters import parse_drafter
+    from .models import load_pair
+
+    try:
+        method_list = parse_list(methods, str, "--methods")
+        sizes = parse_list(batch_sizes, int, "--batch-sizes")
+        gammas = parse_list(gamma, int, "--gamma")
+        drafter_list = parse_list(drafters, str, "--drafters")
+        if peers not in ("", "hf"):
+            raise ValueError(f"--peers takes 'hf' (transformers), got {peers!r}")
+        if repeat < 1:
+            raise ValueError("--repeat must be >= 1")
+        for d in drafter_list:
+            parse_drafter(d)
+        for m in method_list:
+            for bs in sizes:
+                for g in gammas:
+                    EngineConfig(method=m, batch_size=bs, gamma=g, window=window if m == "exspec" else None)
+        texts = read_prompts(None, prompts, num_prompts)
+        params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, len(texts))
+        needs_draft = peers == "hf" or ("draft_model" in drafter_list and any(m != "autoregressive"
+                                                                              for m in method_list))
+        pair = load_pair(target, draft, dtype=dtype, device=device, need_draft=needs_draft)
+        ids = [pair.tokenizer(t)["input_ids"] for t in texts]
+        with progress_bar(tokens=False) as bar:
+            task = bar.add_task("bench", total=None)
+
+            def step(label: str, done: int, total: int) -> None:
+                bar.update(task, description=f"bench: {label}", completed=done, total=total)
+
+            report = run_bench(pair, ids, params, methods=method_list, batch_sizes=sizes, gammas=gammas,
+                               drafters=drafter_list, peers=peers == "hf", repeat=repeat, window=window,
+                               sort_by_length=sort_by_length, profile=profile, progress=step)
+    except ValueError as exc:
+        fail(str(exc))
+    typer.echo(markdown_table(report["results"]))
+    for note in report["notes"]:
+        typer.echo(f"\nnote: {note}")
+    m = report["machine"]
+    typer.echo(f"\nmachine: {m['processor']}, {m['cpu_count']} cores, torch {m['torch']}, device {m['device']}")
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2))
+    if plots is not None:
+        from .bench.plots import plot_all
+
+        for path in plot_all(report["results"], plots, title=f"({m['device']}, {report['config']['dtype']})"):
+            console.print(f"wrote {path}")

@@ -1,0 +1,103 @@
+"""The request record: the source of truth for one sequence.
+
+Tokens, the prompt length and each model's committed KV length live here. Everything a
+model runner feeds (input ids, masks, positions) is derived from these numbers each round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from ..sampling import SamplingParams
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # an EOS or stop token was generated (and is included in the output)
+    LENGTH = "length"  # max_new_tokens were generated
+
+
+@dataclass
+class RequestStats:
+    rounds: int = 0  # target forward passes this request took part in (prefill excluded)
+    drafted: int = 0  # draft tokens proposed for it
+    accepted: int = 0  # draft tokens the target accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence in flight. `token_ids` holds prompt + generated tokens.
+
+    kv_len[model] counts the leading tokens whose KV entries that model has committed; tokens
+    after it are fed on the model's next forward pass. At a round boundary the target has
+    kv_len == len(token_ids) - 1 (the newest token is always unfed) and the draft lags by 1 or 2.
+    """
+
+    index: int
+    token_ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    prompt: str | None = None
+    kv_len: dict[str, int] = field(default_factory=dict)
+    finish_reason: FinishReason | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    generator: Any = None  # torch.Generator for sampled requests, None for greedy ones
+    prompt_len: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - self.num_generated
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, tokens: list[int]) -> int:
+        """Append verified tokens, stopping at the first stop token or at max_new_tokens.
+
+        Returns how many were appended; sets finish_reason when the request is complete.
+        Nothing after the first stop token is ever appended.
+        """
+        taken = 0
+        for tok in tokens[: self.remaining]:
+            self.token_ids.append(tok)
+            taken += 1
+            if tok in self.stop_ids:
+                self.finish_reason = FinishReason.STOP
+                return taken
+        if self.remaining <= 0:
+            self.finish_reason = FinishReason.LENGTH
+        return taken
+
+
+@dataclass
+class Output:
+    """What `SpecEngine.generate` returns per prompt, in input order."""
+
+    index: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    stats: RequestStats

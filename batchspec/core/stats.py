@@ -1,0 +1,102 @@
+"""Run statistics: stage timers and counters, returned as values (not only logged).
+
+Stages nest exclusively: entering "align" inside "draft" pauses the draft clock, so the
+shares {draft, verify, align, other} of a run's wall time sum to 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+STAGES = ("draft", "verify", "align")
+
+
+class StageTimer:
+    """Exclusive wall-clock time per stage. With `sync` the device is synchronised at every
+    stage boundary, which makes CUDA timings exact at the price of the overlap it prevents."""
+
+    def __init__(self, device=None, sync: bool = False) -> None:
+        self.totals: dict[str, float] = dict.fromkeys(STAGES, 0.0)
+        self._stack: list[tuple[str, float]] = []
+        self.sync = sync and device is not None and torch.device(device).type == "cuda"
+        self.device = device
+
+    def stage(self, name: str) -> _Stage:
+        return _Stage(self, name)
+
+    def _now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _enter(self, name: str) -> None:
+        now = self._now()
+        if self._stack:
+            outer, since = self._stack[-1]
+            self.totals[outer] = self.totals.get(outer, 0.0) + now - since
+        self._stack.append((name, now))
+
+    def _exit(self) -> None:
+        now = self._now()
+        name, since = self._stack.pop()
+        self.totals[name] = self.totals.get(name, 0.0) + now - since
+        if self._stack:
+            outer, _ = self._stack[-1]
+            self._stack[-1] = (outer, now)
+
+    def reset(self) -> None:
+        self.totals = dict.fromkeys(STAGES, 0.0)
+
+
+class _Stage:
+    __slots__ = ("timer", "name")
+
+    def __init__(self, timer: StageTimer, name: str) -> None:
+        self.timer, self.name = timer, name
+
+    def __enter__(self):
+        self.timer._enter(self.name)
+        return self
+
+    def __exit__(self, *exc):
+        self.timer._exit()
+        return False
+
+
+@dataclass
+class RunStats:
+    """Counters of one engine run; `summary()` turns them into the numbers the bench reports."""
+
+    rounds: int = 0  # target verification passes (one per batch per round)
+    row_rounds: int = 0  # sum over rounds of rows in the batch
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0  # tokens appended to outputs
+    accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per row-round -> count
+    aligned_rounds: int = 0  # rounds whose target batch needed no realignment
+    realigned_rows: int = 0  # rows shifted or padded by target realignments
+    padding_tokens: int = 0  # target padding columns over all rounds
+    wall: float = 0.0
+    stage_time: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        share = {k: self.stage_time.get(k, 0.0) / self.wall if self.wall else 0.0 for k in STAGES}
+        share["other"] = max(0.0, 1.0 - sum(share.values()))
+        rounds = max(1, self.rounds)
+        return {
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            "tokens_per_round": self.emitted / max(1, self.row_rounds),
+            "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
+            "grouping_rate": self.aligned_rounds / rounds,
+            "realigned_rows_per_round": self.realigned_rows / rounds,
+            "padding_tokens_per_round": self.padding_tokens / rounds,
+            "mean_batch_occupancy": self.row_rounds / rounds,
+            "time_share": share,
+        }

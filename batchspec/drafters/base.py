@@ -1,0 +1,35 @@
+"""The drafter seam: propose a batch of drafts, then observe what the target accepted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..core.request import Request
+from ..sampling import BatchSampling
+
+
+@dataclass
+class DraftProposal:
+    tokens: torch.Tensor  # [B, γ] long: drafted tokens d_1..d_γ per row
+    probs: torch.Tensor | None  # [B, γ, V] the q each d_j was drawn from; None: deterministic (q one-hot)
+
+
+class Drafter(Protocol):
+    label: str  # how outputs and reports name it
+    synthetic: bool  # True for drafters that cheat (know the answer); reports must say so
+
+    def admit(self, reqs: list[Request]) -> None:
+        """Requests joined the engine (prefill any per-request state)."""
+
+    def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
+                sampling: BatchSampling) -> DraftProposal:
+        """Draft `gamma` tokens per row; uniforms [B, γ] drive sampling (None when all greedy)."""
+
+    def observe(self, reqs: list[Request], accepted: list[int]) -> None:
+        """The target accepted accepted[i] of row i's drafts (its bonus/recovered token follows)."""
+
+    def release(self, req: Request) -> None:
+        """The request left the engine."""

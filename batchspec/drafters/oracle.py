@@ -1,0 +1,94 @@
+"""A synthetic drafter that knows the answer: for tests and overhead studies only.
+
+It proposes the next γ tokens of a reference continuation (the target's own greedy output),
+replacing chosen positions with a wrong token. Tests choose the positions to force ragged
+acceptance; `oracle:<p>` in the CLI keeps each token with probability p, seeded, so the
+system overhead of a method can be measured at any acceptance rate. With a draft model
+attached, the draft model is run on the proposed tokens, so a round costs what a real
+drafting round costs (and the draft's KV stays consistent).
+
+Its proposals are deterministic (q one-hot). Every report labels it synthetic.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+
+import torch
+
+from ..core.request import Request
+from ..sampling import BatchSampling
+from .base import DraftProposal
+from .model import DraftModelDrafter
+
+# mismatch(request, round, position) -> True to propose a wrong token there
+Mismatch = Callable[[Request, int, int], bool]
+
+
+def bernoulli_mismatch(accept_prob: float, seed: int = 0) -> Mismatch:
+    """Each proposed token is right with probability `accept_prob`, independently, seeded."""
+
+    def mismatch(req: Request, round_: int, pos: int) -> bool:
+        key = hash((seed, tuple(req.token_ids[: req.prompt_len]), round_, pos))
+        return random.Random(key).random() >= accept_prob
+
+    return mismatch
+
+
+class OracleDrafter:
+    synthetic = True
+
+    def __init__(self, references: Mapping[tuple[int, ...], list[int]], mismatch: Mismatch,
+                 vocab_size: int, device, cost_model: DraftModelDrafter | None = None,
+                 label: str = "oracle") -> None:
+        self.references = references
+        self.device = device
+        self.mismatch = mismatch
+        self.vocab_size = vocab_size
+        self.cost_model = cost_model
+        self.label = label
+        self._rounds: dict[int, int] = {}
+
+    def reference(self, req: Request) -> list[int]:
+        key = tuple(req.token_ids[: req.prompt_len])
+        if key not in self.references:
+            raise KeyError("the oracle drafter has no reference continuation for this prompt; "
+                           "it only works on prompts whose target-only output was computed first")
+        return self.references[key]
+
+    def admit(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            self.reference(r)
+            self._rounds[r.index] = 0
+        if self.cost_model is not None:
+            self.cost_model.admit(reqs)
+
+    def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
+                sampling: BatchSampling) -> DraftProposal:
+        rows = []
+        for r in reqs:
+            ref = self.reference(r)
+            start = r.num_generated
+            round_ = self._rounds[r.index]
+            row = []
+            for j in range(gamma):
+                tok = ref[start + j] if start + j < len(ref) else 0
+                if self.mismatch(r, round_, j):
+                    tok = (tok + 1) % self.vocab_size
+                row.append(tok)
+            rows.append(row)
+            self._rounds[r.index] = round_ + 1
+        tokens = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if self.cost_model is not None:
+            self.cost_model.propose(reqs, gamma, uniforms, sampling, forced=tokens)
+        return DraftProposal(tokens, None)
+
+    def observe(self, reqs: list[Request], accepted: list[int]) -> None:
+        if self.cost_model is not None:
+            self.cost_model.observe(reqs, accepted)
+
+    def release(self, req: Request) -> None:
+        self._rounds.pop(req.index, None)
+        if self.cost_model is not None:
+            self.cost_model.release(req)

@@ -1,0 +1,142 @@
+"""Loading a target/draft pair and checking that they can speculate together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PAD_TOKEN = "<|batchspec_pad|>"
+
+
+def default_pair_dir() -> Path:
+    return Path(str(resources.files("batchspec") / "assets" / "default_pair"))
+
+
+def default_target() -> str:
+    return str(default_pair_dir() / "target")
+
+
+def default_draft() -> str:
+    return str(default_pair_dir() / "draft")
+
+
+@dataclass
+class ModelPair:
+    target: torch.nn.Module
+    draft: torch.nn.Module | None
+    tokenizer: object | None
+    vocab_size: int  # ids the tokenizer can produce; logits are compared over these only
+    eos_token_ids: tuple[int, ...]
+    target_name: str = "target"
+    draft_name: str | None = None
+
+
+def resolve_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    return device
+
+
+def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def output_vocab(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def context_length(model) -> int | None:
+    config = model.config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_tokenizers(target_tok, draft_tok) -> None:
+    """Raise ValueError naming the first difference if the two tokenizers' vocabularies differ."""
+    t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if t_vocab == d_vocab:
+        return
+    for token, tid in sorted(t_vocab.items(), key=lambda kv: kv[1]):
+        did = d_vocab.get(token)
+        if did != tid:
+            where = f"id {did} in the draft's" if did is not None else "missing from the draft's"
+            raise ValueError(
+                f"target and draft tokenizers differ: token {token!r} is id {tid} in the target's vocabulary "
+                f"but {where} ({len(t_vocab)} vs {len(d_vocab)} tokens); speculative decoding needs one tokenizer"
+            )
+    extra = sorted(set(d_vocab) - set(t_vocab))[:3]
+    raise ValueError(f"target and draft tokenizers differ: the draft has tokens the target lacks, e.g. {extra}")
+
+
+def ensure_pad_token(tokenizer) -> None:
+    """Give a tokenizer without a pad token a new one that is neither EOS nor any content token.
+
+    The engine never feeds pad ids to a model (padding is known from lengths and masks); the
+    pad token only serves tokenizer APIs."""
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return
+    tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+
+
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
+
+
+def check_models(target, draft, vocab_size: int) -> None:
+    for role, model in (("target", target), ("draft", draft)):
+        if model is None:
+            continue
+        if output_vocab(model) < vocab_size:
+            raise ValueError(f"the {role} model has {output_vocab(model)} output logits but the tokenizer has "
+                             f"{vocab_size} tokens; they do not belong together")
+    if draft is not None and (draft.device != target.device or draft.dtype != target.dtype):
+        raise ValueError("target and draft must be on the same device with the same dtype")
+
+
+def load_pair(target: str | None = None, draft: str | None = None, *, dtype: str | None = None,
+              device: str | None = None, need_draft: bool = True) -> ModelPair:
+    """Load target and draft by local path or hub id (defaults: the bundled pair)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, device)
+    target = target or default_target()
+    if draft is None and need_draft:
+        draft = default_draft() if target == default_target() else None
+        if draft is None:
+            raise ValueError("a speculative method needs --draft (a model sharing the target's tokenizer)")
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    vocab_size = len(tokenizer)
+    if draft is not None:
+        check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(draft))
+    ensure_pad_token(tokenizer)
+
+    def load(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        return model.to(device).eval()
+
+    target_model = load(target)
+    draft_model = load(draft) if draft is not None else None
+    check_models(target_model, draft_model, vocab_size)
+    return ModelPair(target_model, draft_model, tokenizer, vocab_size, eos_ids(target_model, tokenizer),
+                     target_name=str(target), draft_name=str(draft) if draft else None)

@@ -1,0 +1,55 @@
+"""Prompt files: JSONL with {"prompt": ...} per line, or Spec-Bench rows {"turns": [...]}."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+
+def default_prompts_path() -> Path:
+    return Path(str(resources.files("batchspec") / "assets" / "prompts.jsonl"))
+
+
+def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[str]:
+    """Read prompts from a JSONL file (default: the bundled held-out prompts).
+
+    Each line is {"prompt": "..."} or a Spec-Bench row {"question_id", "category",
+    "turns": [...]}, of which the first turn is used. Raises ValueError naming the bad line.
+    """
+    path = Path(path) if path is not None else default_prompts_path()
+    if not path.exists():
+        raise ValueError(f"prompt file {path} does not exist")
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+                prompts.append(row["prompt"])
+            elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"] \
+                    and isinstance(row["turns"][0], str):
+                prompts.append(row["turns"][0])
+            else:
+                raise ValueError(f'{path}:{lineno}: expected {{"prompt": "..."}} or a Spec-Bench row with "turns"')
+            if limit is not None and len(prompts) >= limit:
+                break
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def chat_token_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt as one user turn under the tokenizer's chat template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("--chat was given but this tokenizer has no chat template")
+    out = []
+    for p in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
+                                            add_generation_prompt=True)
+        out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
+    return out

@@ -1,0 +1,97 @@
+"""Tiny random-init model pairs built from configs, and the oracle drafter the tests use.
+
+Weights are initialised with a large std so that logits are spread out (top-2 gaps far above
+fp32 rounding), which makes greedy decoding numerically stable; fp64 reruns confirm it.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import random
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from batchspec import EngineConfig, ModelPair, SamplingParams, SpecEngine
+from batchspec.drafters import DraftModelDrafter, OracleDrafter
+
+VOCAB = 256
+ARCHS = ("llama", "qwen3", "gpt2")
+
+
+def make_model(arch: str, hidden: int, layers: int, seed: int, dtype=torch.float32, vocab: int = VOCAB):
+    torch.manual_seed(seed)
+    if arch == "llama":
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          initializer_range=0.2)
+        model = LlamaForCausalLM(cfg)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                          max_position_embeddings=256, initializer_range=0.2)
+        model = Qwen3ForCausalLM(cfg)
+    elif arch == "gpt2":
+        cfg = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=256,
+                         initializer_range=0.2, bos_token_id=None, eos_token_id=None)
+        model = GPT2LMHeadModel(cfg)
+    else:
+        raise ValueError(arch)
+    return model.to(dtype).eval()
+
+
+def perturbed(model, scale: float, seed: int):
+    """A copy of `model` with noise on every weight: a real draft model that agrees often."""
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * scale * p.std().clamp(min=1e-3))
+    return draft
+
+
+@functools.cache
+def pair(arch: str, draft_kind: str = "small", dtype: torch.dtype = torch.float32, eos: tuple[int, ...] = ()):
+    target = make_model(arch, 64, 2, seed=0, dtype=dtype)
+    if draft_kind == "small":
+        draft = make_model(arch, 32, 1, seed=1, dtype=dtype)
+    elif draft_kind == "perturbed":
+        draft = perturbed(target, 0.02, seed=2)
+    else:
+        draft = None
+    return ModelPair(target, draft, None, VOCAB, eos)
+
+
+def prompts(n: int = 32, seed: int = 0, max_len: int = 60) -> list[list[int]]:
+    """Prompts of very different lengths (1 .. max_len tokens)."""
+    rng = random.Random(seed)
+    lengths = [1, max_len, 2, max_len // 2] + [rng.randint(1, max_len) for _ in range(n - 4)]
+    return [[rng.randrange(VOCAB) for _ in range(k)] for k in lengths[:n]]
+
+
+def references(p: ModelPair, prompt_ids: list[list[int]], max_new: int) -> list[list[int]]:
+    eng = SpecEngine(p, EngineConfig(method="autoregressive", batch_size=1))
+    sp = SamplingParams(max_new_tokens=max_new)
+    return [eng.generate([ids], sp)[0].token_ids for ids in prompt_ids]
+
+
+def ragged_mismatch(gamma: int):
+    """Mismatch positions that differ per row and per round: each row-round rejects at a position
+    m in 0..γ+1 (m >= γ accepts everything), cycling so that some rows accept 0 and others all γ."""
+
+    def mismatch(req, round_: int, pos: int) -> bool:
+        m = (sum(req.token_ids[: req.prompt_len]) + req.prompt_len * 3 + round_ * 5) % (gamma + 2)
+        return pos == m
+
+    return mismatch
+
+
+def oracle_engine(p: ModelPair, refs: dict, config: EngineConfig, with_cost: bool = False) -> SpecEngine:
+    """An engine whose drafter proposes the reference with injected mismatches."""
+    engine = SpecEngine(p, EngineConfig(**{**config.__dict__, "drafter": "draft_model"})) if with_cost else \
+        SpecEngine(ModelPair(p.target, None, None, p.vocab_size, p.eos_token_ids),
+                   EngineConfig(**{**config.__dict__, "drafter": "oracle:1"}))
+    cost = DraftModelDrafter(engine.draft_runner) if with_cost else None
+    engine.drafter = OracleDrafter(refs, ragged_mismatch(config.gamma), p.vocab_size, engine.device, cost)
+    return engine
