@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import typer
@@ -137,43 +138,61 @@ def verify(
     drafter: str = DRAFTER, window: int = WINDOW,
     hf_check: int = typer.Option(3, "--hf-check", help="Prompts on which the reference is checked against "
                                                         "transformers' generate (0 = skip)"),
+    temperature: float = typer.Option(0.0, "--temperature", help="> 0: check the sampling distribution instead"),
+    top_k: int = TOP_K, top_p: float = TOP_P, seed: int = typer.Option(0, "--seed"),
+    samples: int = typer.Option(2000, "--samples", help="Sampling check: samples per prompt"),
     dtype: str = DTYPE, device: str = DEVICE,
     json_path: Path = typer.Option(None, "--json", help="Write results as JSON"),
 ):
-    """Check that every method's greedy output equals target-only greedy decoding, token for token."""
-    from .harness import check_reference_against_hf, reference_outputs, run_equivalence
+    """Greedy: every method's output must equal target-only greedy decoding, token for token.
+    With --temperature > 0: the first two sampled tokens must follow the target's exact distribution."""
+    from .config import EngineConfig
     from .models import load_pair
     from .sampling import SamplingParams
 
     try:
         method_list = parse_list(methods, str, "--methods")
         sizes = parse_list(batch_sizes, int, "--batch-sizes")
-        from .config import EngineConfig
-
         for m in method_list:
             for bs in sizes:
                 EngineConfig(method=m, batch_size=bs, gamma=gamma, drafter=drafter,
                              window=window if m == "exspec" else None)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+        if samples < 10:
+            raise ValueError("--samples must be >= 10")
         texts = read_prompts(None, prompts, num_prompts)
-        params = SamplingParams(max_new_tokens=max_new_tokens)
         needs_draft = any(m != "autoregressive" for m in method_list) and drafter == "draft_model"
         pair = load_pair(target, draft, dtype=dtype, device=device, need_draft=needs_draft)
         ids = [pair.tokenizer(t)["input_ids"] for t in texts]
-        with console.status("reference: target-only greedy, batch size 1"):
-            refs = reference_outputs(pair, ids, params)
-        hf = None
-        if hf_check > 0:
-            with console.status("checking the reference against transformers' generate"):
-                hf = check_reference_against_hf(pair, ids[:hf_check], refs[:hf_check], params)
-        with progress_bar(tokens=False) as bar:
-            task = bar.add_task("verify", total=len(method_list) * len(sizes))
-            results = run_equivalence(pair, ids, method_list, sizes, gamma, params, drafter=drafter,
-                                      window=window, references=refs,
-                                      on_result=lambda r: bar.update(task, advance=1))
+        config = {"target": pair.target_name, "draft": pair.draft_name, "gamma": gamma, "dtype": dtype,
+                  "max_new_tokens": max_new_tokens, "drafter": drafter, "num_prompts": len(ids),
+                  "temperature": temperature, "top_k": top_k, "top_p": top_p}
+        if params.greedy:
+            ok = _verify_greedy(pair, ids, method_list, sizes, gamma, params, drafter, window, hf_check, config,
+                                json_path)
+        else:
+            ok = _verify_sampling(pair, ids, method_list, sizes, gamma, params, samples, seed, config, json_path)
     except ValueError as exc:
         fail(str(exc))
-    table = Table(title=f"output equivalence vs target-only greedy (bs=1), {len(ids)} prompts, "
-                        f"{max_new_tokens} new tokens, dtype {dtype}")
+    if not ok:
+        raise typer.Exit(1)
+
+
+def _verify_greedy(pair, ids, methods, sizes, gamma, params, drafter, window, hf_check, config, json_path) -> bool:
+    from .harness import check_reference_against_hf, reference_outputs, run_equivalence
+
+    with console.status("reference: target-only greedy, batch size 1"):
+        refs = reference_outputs(pair, ids, params)
+    hf = None
+    if hf_check > 0:
+        with console.status("checking the reference against transformers' generate"):
+            hf = check_reference_against_hf(pair, ids[:hf_check], refs[:hf_check], params)
+    with progress_bar(tokens=False) as bar:
+        task = bar.add_task("verify", total=len(methods) * len(sizes))
+        results = run_equivalence(pair, ids, methods, sizes, gamma, params, drafter=drafter, window=window,
+                                  references=refs, on_result=lambda r: bar.update(task, advance=1))
+    table = Table(title=f"output equivalence vs target-only greedy (bs=1): {len(ids)} prompts, "
+                        f"{params.max_new_tokens} new tokens, dtype {config['dtype']}")
     for col in ("method", "batch", "gamma", "exact match", "partial match", "acceptance"):
         table.add_column(col, justify="right")
     for r in results:
@@ -182,16 +201,38 @@ def verify(
                       f"{r['partial_match']:.3f}", acc)
     Console().print(table)
     if hf is not None:
-        verdict = "identical" if hf["identical"] else f"DIFFERENT (exact {hf['exact_match']:.2f})"
+        verdict = "identical" if hf["identical"] else f"DIFFERENT (exact match {hf['exact_match']:.2f})"
         Console().print(f"reference vs transformers generate(do_sample=False) on {hf['prompts']} prompts: {verdict}")
     if json_path is not None:
-        payload = {"config": {"target": pair.target_name, "draft": pair.draft_name, "gamma": gamma,
-                              "max_new_tokens": max_new_tokens, "dtype": dtype, "drafter": drafter},
-                   "reference_check": hf, "results": results}
-        json_path.write_text(json.dumps(payload, indent=2))
-    bad = [r for r in results if r["exact_match"] < 1.0]
-    if bad or (hf is not None and not hf["identical"]):
-        raise typer.Exit(1)
+        json_path.write_text(json.dumps({"config": config, "reference_check": hf, "results": results}, indent=2))
+    return all(r["exact_match"] == 1.0 for r in results) and (hf is None or hf["identical"])
+
+
+def _verify_sampling(pair, ids, methods, sizes, gamma, params, samples, seed, config, json_path) -> bool:
+    from .harness import distribution_check
+
+    results = []
+    with progress_bar(tokens=False) as bar:
+        task = bar.add_task("sampling check", total=len(methods) * len(sizes))
+        for m in methods:
+            for bs in sizes:
+                for row in distribution_check(pair, ids, params, method=m, batch_size=bs, gamma=gamma,
+                                              samples=samples, seed=seed):
+                    results.append({"method": m, "batch_size": bs, **row})
+                bar.update(task, advance=1)
+    table = Table(title=f"first two sampled tokens vs the target's exact distribution: T={params.temperature}, "
+                        f"top-k {params.top_k or 'off'}, top-p {params.top_p}, {samples} samples per prompt")
+    for col in ("method", "batch", "prompt", "TV distance", "bound", "chi² p", "acceptance", "verdict"):
+        table.add_column(col, justify="right")
+    for r in results:
+        acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
+        table.add_row(r["method"], str(r["batch_size"]), str(r["prompt"]), f"{r['distance']:.4f}",
+                      f"{r['bound']:.4f}", f"{r['p_value']:.3g}", acc, "ok" if r["passed"] else "FAIL")
+    Console().print(table)
+    if json_path is not None:
+        json_path.write_text(json.dumps({"config": {**config, "samples": samples, "seed": seed},
+                                         "results": results}, indent=2))
+    return all(r["passed"] for r in results)
 
 
 @app.command()
@@ -206,7 +247,11 @@ def bench(
     peers: str = typer.Option("", "--peers", help="'hf' adds transformers generate / assisted generation"),
     repeat: int = typer.Option(1, "--repeat", help="Timed rounds per cell (interleaved); medians are reported"),
     temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
-    window: int = WINDOW, sort_by_length: bool = SORT,
+    window: str = typer.Option("4x", "--window", help="exspec windows, comma-separated: 64 = 64 sequences, "
+                                                     "4x = 4 x batch size"),
+    sort_by_length: bool = SORT,
+    prompt_tokens: int = typer.Option(None, "--prompt-tokens", help="Cut every prompt to its first N tokens and "
+                                                                     "drop shorter ones: identical prompt lengths"),
     profile: bool = typer.Option(False, "--profile", help="CUDA: synchronise at stage boundaries for exact "
                                                           "time shares"),
     dtype: str = DTYPE, device: str = DEVICE,
@@ -230,16 +275,24 @@ def bench(
             raise ValueError("--repeat must be >= 1")
         for d in drafter_list:
             parse_drafter(d)
+        windows = parse_list(window, str, "--window")
+        if not all(re.fullmatch(r"[1-9][0-9]*x?", w) for w in windows):
+            raise ValueError(f"--window takes sizes like 64 or multiples like 4x, got {window!r}")
         for m in method_list:
             for bs in sizes:
                 for g in gammas:
-                    EngineConfig(method=m, batch_size=bs, gamma=g, window=window if m == "exspec" else None)
+                    EngineConfig(method=m, batch_size=bs, gamma=g)
         texts = read_prompts(None, prompts, num_prompts)
         params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, len(texts))
         needs_draft = peers == "hf" or ("draft_model" in drafter_list and any(m != "autoregressive"
                                                                               for m in method_list))
         pair = load_pair(target, draft, dtype=dtype, device=device, need_draft=needs_draft)
         ids = [pair.tokenizer(t)["input_ids"] for t in texts]
+        if prompt_tokens is not None:
+            ids = [p[:prompt_tokens] for p in ids if len(p) >= prompt_tokens]
+            if not ids:
+                raise ValueError(f"no prompt has {prompt_tokens} tokens")
+            params = params[: len(ids)]
         with progress_bar(tokens=False) as bar:
             task = bar.add_task("bench", total=None)
 
@@ -247,7 +300,7 @@ def bench(
                 bar.update(task, description=f"bench: {label}", completed=done, total=total)
 
             report = run_bench(pair, ids, params, methods=method_list, batch_sizes=sizes, gammas=gammas,
-                               drafters=drafter_list, peers=peers == "hf", repeat=repeat, window=window,
+                               drafters=drafter_list, peers=peers == "hf", repeat=repeat, windows=windows,
                                sort_by_length=sort_by_length, profile=profile, progress=step)
     except ValueError as exc:
         fail(str(exc))

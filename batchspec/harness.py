@@ -101,3 +101,80 @@ def run_equivalence(
             if on_result is not None:
                 on_result(row)
     return results
+
+
+# ---------------------------------------------------------------------------------------- sampling
+def warped_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Target probabilities under transformers' own warpers (independent of batchspec's sampling code)."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = logits.float()
+    warpers = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    for w in warpers:
+        scores = w(None, scores)
+    return torch.softmax(scores, -1)
+
+
+@torch.no_grad()
+def exact_first_two(pair: ModelPair, prompt: list[int], params: SamplingParams, top: int) -> dict:
+    """Exact P(t1, t2) of target-only sampling on the `top` most likely t1 and, for each, the `top`
+    most likely t2; everything else is one "other" bin. Returns {(t1, t2) or "other": p}."""
+    model, vocab = pair.target, pair.vocab_size
+    p1 = warped_probs(model(torch.tensor([prompt], device=model.device)).logits[0, -1, :vocab], params)
+    firsts = p1.topk(min(top, vocab)).indices.tolist()
+    prefixes = torch.tensor([prompt + [t] for t in firsts], device=model.device)
+    p2 = warped_probs(model(prefixes).logits[:, -1, :vocab], params)
+    bins = {}
+    for row, t1 in enumerate(firsts):
+        for t2 in p2[row].topk(min(top, vocab)).indices.tolist():
+            bins[(t1, t2)] = float(p1[t1] * p2[row, t2])
+    bins["other"] = max(0.0, 1.0 - sum(bins.values()))
+    return bins
+
+
+def distribution_check(pair: ModelPair, prompts: list[list[int]], params: SamplingParams, *, method: str,
+                       batch_size: int, gamma: int, samples: int = 2000, top: int = 6, delta: float = 1e-3,
+                       seed: int = 0) -> list[dict]:
+    """Sample the first two tokens `samples` times per prompt with a speculative method and compare
+    their empirical distribution with the target's exact one.
+
+    distance: total variation over the bins of `exact_first_two`; bound: with probability 1 - delta
+    an exact sampler stays below sqrt((K ln 2 + ln(1/delta)) / (2 N)) for K bins and N samples
+    (Bretagnolle-Huber-Carol); p_value: chi-square goodness of fit.
+    """
+    import math
+
+    from scipy.stats import chisquare
+
+    from .sampling import request_seed
+
+    if params.greedy:
+        raise ValueError("the distribution check needs --temperature > 0")
+    engine = SpecEngine(pair, EngineConfig(method=method, batch_size=batch_size, gamma=gamma))
+    rows = []
+    for k, prompt in enumerate(prompts):
+        exact = exact_first_two(pair, prompt, params, top)
+        sp = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                             max_new_tokens=2, ignore_eos=True, seed=request_seed(seed, k * samples + i))
+              for i in range(samples)]
+        counts = dict.fromkeys(exact, 0)
+        for out in engine.generate([prompt] * samples, sp):
+            key = tuple(out.token_ids)
+            counts[key if key in counts else "other"] += 1
+        keys = list(exact)
+        distance = 0.5 * sum(abs(counts[b] / samples - exact[b]) for b in keys)
+        bound = math.sqrt((len(keys) * math.log(2) + math.log(1 / delta)) / (2 * samples))
+        big = [b for b in keys if exact[b] * samples >= 5]
+        small = [b for b in keys if b not in big]
+        obs = [counts[b] for b in big] + ([sum(counts[b] for b in small)] if small else [])
+        exp = [exact[b] * samples for b in big] + ([sum(exact[b] for b in small) * samples] if small else [])
+        scale = sum(obs) / sum(exp)
+        p_value = float(chisquare(obs, [e * scale for e in exp]).pvalue) if len(obs) > 1 else 1.0
+        rows.append({"prompt": k, "samples": samples, "bins": len(keys), "distance": distance, "bound": bound,
+                     "p_value": p_value, "passed": distance <= bound,
+                     "acceptance_rate": engine.stats.summary()["acceptance_rate"]})
+    return rows

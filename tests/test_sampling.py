@@ -1,7 +1,7 @@
 """Sampling is lossless: speculative sampling draws from exactly the target's distribution.
 
 The exact distribution of the first tokens is computed by enumeration on a tiny-vocabulary
-model with transformers' own logits warpers (independent of batchspec's code), and many seeded
+model with transformers' own logits warpers (independent of batchspec's sampling code), and many seeded
 samples from the engine are compared with it by a chi-square test at a fixed seed. Three
 deliberately broken verifiers are kept as negative controls: each must fail the same test.
 """
@@ -15,10 +15,10 @@ import torch
 from scipy.stats import chisquare
 from tiny import perturbed
 from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import batchspec.decode.round as round_module
 from batchspec import EngineConfig, ModelPair, SamplingParams, SpecEngine
+from batchspec.harness import warped_probs  # transformers' warpers, not batchspec's sampling code
 from batchspec.sampling import request_seed, sample
 from batchspec.verify.rejection import VerifyResult, rejection_verify
 
@@ -37,26 +37,13 @@ def models():
     return target, perturbed(target, 0.6, seed=5)
 
 
-def warped(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """transformers' processing: temperature, then top-k, then top-p."""
-    scores = logits.float()
-    warpers = [TemperatureLogitsWarper(sp.temperature)]
-    if sp.top_k:
-        warpers.append(TopKLogitsWarper(sp.top_k))
-    if sp.top_p < 1:
-        warpers.append(TopPLogitsWarper(sp.top_p))
-    for w in warpers:
-        scores = w(None, scores)
-    return torch.softmax(scores, -1)
-
-
 @torch.no_grad()
 def exact_joint(sp: SamplingParams) -> torch.Tensor:
     """P(t1, t2) under the target alone: [V, V]."""
     target, _ = models()
-    p1 = warped(target(torch.tensor([PROMPT])).logits[:, -1], sp)[0]
+    p1 = warped_probs(target(torch.tensor([PROMPT])).logits[:, -1], sp)[0]
     prefixes = torch.tensor([PROMPT + [t] for t in range(V)])
-    p2 = warped(target(prefixes).logits[:, -1], sp)
+    p2 = warped_probs(target(prefixes).logits[:, -1], sp)
     return p1[:, None] * p2
 
 

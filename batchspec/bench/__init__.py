@@ -11,12 +11,11 @@ from .runner import Bench, Cell, measure_costs, plan, summarize
 
 
 def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, gammas, drafters=("draft_model",),
-              peers: bool = False, repeat: int = 1, window=None, sort_by_length=False, profile=False,
+              peers: bool = False, repeat: int = 1, windows=("4x",), sort_by_length=False, profile=False,
               progress=None) -> dict:
     """Run the grid and return the JSON-ready report: {machine, config, notes, results}."""
-    cells, notes = plan(list(methods), list(batch_sizes), list(gammas), list(drafters), peers)
-    bench = Bench(pair, prompts, params, window=window, sort_by_length=sort_by_length, profile=profile,
-                  progress=progress)
+    cells, notes = plan(list(methods), list(batch_sizes), list(gammas), list(drafters), peers, list(windows))
+    bench = Bench(pair, prompts, params, sort_by_length=sort_by_length, profile=profile, progress=progress)
     runs = bench.measure(cells, repeat)
     context = int(mean(len(p) for p in prompts) + params[0].max_new_tokens / 2)
     if progress:
@@ -32,13 +31,16 @@ def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, g
     if any(r["synthetic"] for r in results):
         notes.append("rows marked synthetic use the oracle drafter, which knows the target's output: "
                      "they measure system overhead at a chosen acceptance rate, not a real drafter")
+    lengths = [len(p) for p in prompts]
     config = {
         "target": pair.target_name, "draft": pair.draft_name, "dtype": str(pair.target.dtype).replace("torch.", ""),
-        "num_prompts": len(prompts), "max_new_tokens": params[0].max_new_tokens,
+        "num_prompts": len(prompts),
+        "prompt_tokens": {"min": min(lengths), "mean": mean(lengths), "max": max(lengths)},
+        "max_new_tokens": params[0].max_new_tokens,
         "temperature": params[0].temperature, "top_k": params[0].top_k, "top_p": params[0].top_p,
         "methods": list(methods), "batch_sizes": list(batch_sizes), "gammas": list(gammas),
         "drafters": list(drafters), "peers": ["hf_generate", "hf_assisted"] if peers else [], "repeat": repeat,
-        "window": window, "sort_by_length": sort_by_length, "profile_sync": profile and device.type == "cuda",
+        "windows": list(windows), "sort_by_length": sort_by_length, "profile_sync": profile and device.type == "cuda",
         "timers_exact": timers_exact, "cost_context_tokens": context,
         "step_costs": {f"bs={bs},gamma={g}": c for (bs, g), c in costs.items()},
     }

@@ -29,19 +29,33 @@ class Cell:
     batch_size: int
     gamma: int | None = None
     drafter: str | None = None
+    window: int | None = None  # exspec only
 
     @property
     def label(self) -> str:
         parts = [self.method, f"bs={self.batch_size}"]
         if self.gamma is not None:
             parts.append(f"γ={self.gamma}")
+        if self.window is not None:
+            parts.append(f"W={self.window}")
         if self.drafter not in (None, "draft_model"):
             parts.append(self.drafter)
         return " ".join(parts)
 
 
+def window_sizes(spec: list[str], batch_size: int) -> list[int]:
+    """exspec windows for one batch size: "4x" is 4 x batch size, "64" is 64 (never below it)."""
+    sizes = []
+    for item in spec:
+        w = batch_size * int(item[:-1]) if item.endswith("x") else int(item)
+        w = max(w, batch_size)
+        if w not in sizes:
+            sizes.append(w)
+    return sizes
+
+
 def plan(methods: list[str], batch_sizes: list[int], gammas: list[int], drafters: list[str],
-         peers: bool) -> tuple[list[Cell], list[str]]:
+         peers: bool, windows: list[str] = ("4x",)) -> tuple[list[Cell], list[str]]:
     """The grid, ordered so our methods and the peers alternate; plus notes on what was left out."""
     cells, notes = [], []
     for bs in batch_sizes:
@@ -49,9 +63,11 @@ def plan(methods: list[str], batch_sizes: list[int], gammas: list[int], drafters
             cells.append(Cell("autoregressive", bs))
         if peers:
             cells.append(Cell("hf_generate", bs))
-        for method in ("eqspec", "exspec"):
-            if method in methods:
-                cells.extend(Cell(method, bs, g, d) for g in gammas for d in drafters)
+        if "eqspec" in methods:
+            cells.extend(Cell("eqspec", bs, g, d) for g in gammas for d in drafters)
+        if "exspec" in methods:
+            cells.extend(Cell("exspec", bs, g, d, w) for g in gammas for d in drafters
+                         for w in window_sizes(list(windows), bs))
         if peers and bs == 1:
             cells.extend(Cell("hf_assisted", 1, g) for g in gammas)
     if peers and 1 not in batch_sizes:
@@ -73,10 +89,10 @@ class Run:
 
 
 class Bench:
-    def __init__(self, pair, prompts: list[list[int]], params: list[SamplingParams], *, window=None,
+    def __init__(self, pair, prompts: list[list[int]], params: list[SamplingParams], *,
                  sort_by_length=False, profile=False, progress: Callable[[str, int, int], None] | None = None) -> None:
         self.pair, self.prompts, self.params = pair, prompts, params
-        self.window, self.sort_by_length, self.profile = window, sort_by_length, profile
+        self.sort_by_length, self.profile = sort_by_length, profile
         self.progress = progress or (lambda label, done, total: None)
         self.engines: dict[Cell, SpecEngine] = {}
         self.references: dict[tuple[int, ...], list[int]] | None = None
@@ -85,7 +101,7 @@ class Bench:
         if cell not in self.engines:
             config = EngineConfig(method=cell.method, batch_size=cell.batch_size, gamma=cell.gamma or 1,
                                   drafter=cell.drafter or "draft_model", sort_by_length=self.sort_by_length,
-                                  window=self.window if cell.method == "exspec" else None, profile=self.profile)
+                                  window=cell.window, profile=self.profile)
             self.engines[cell] = SpecEngine(self.pair, config)
         return self.engines[cell]
 
@@ -144,7 +160,7 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
         hf_assist = base("hf_assisted", 1, cell.gamma) if cell.batch_size == 1 else None
         ours = cell.method in OURS
         row = {
-            "method": cell.method, "batch_size": cell.batch_size, "gamma": cell.gamma,
+            "method": cell.method, "batch_size": cell.batch_size, "gamma": cell.gamma, "window": cell.window,
             "drafter": cell.drafter if cell.method in ("eqspec", "exspec") else None,
             "synthetic": bool(cell.drafter and cell.drafter.startswith("oracle")),
             "tokens": middle.tokens, "seconds": middle.seconds,

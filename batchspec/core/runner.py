@@ -62,7 +62,7 @@ class _Layout:
     width: int  # w: committed KV columns
     tail: int  # c: tokens fed from the requests' content this round (same for all rows)
     kept: list[int]  # k_i: committed KV entries kept per row
-    pad: list[int]  # p_i + cp_i = s_i: first content column per row
+    first: list[int]  # s_i = p_i + cp_i: first content column per row
     tail_pad: list[int]  # cp_i: padding inside the tail (rows shorter than c)
     tail_ids: torch.Tensor  # [B, c] left-padded tail tokens
     start: torch.Tensor  # [B] s_i on the device
@@ -144,39 +144,36 @@ class ModelRunner:
         width = max(kept)
         rids = tuple(r.index for r in reqs)
         tail_pad = [tail - (n - k) for n, k in zip(ends, kept)]
-        pad = [width - k + cp for k, cp in zip(kept, tail_pad)]
+        first = [width - k + cp for k, cp in zip(kept, tail_pad)]  # = padding columns of each row
         need = width + tail + extra
         self.stats.begins += 1
-        self.stats.padding_tokens += sum(pad)
+        self.stats.padding_tokens += sum(first)
 
         prev = self.layout
         reusable = (
             prev is not None and self.kv is not None and prev.committed is not None
             and prev.rids == rids and need <= self.kv.capacity
-            and all(p + k == width for p, k in zip(prev.pad, kept))  # old starts + kept align at width
+            and all(s + k == width for s, k in zip(prev.first, kept))  # old starts + kept align at width
             and all(k <= c for k, c in zip(kept, prev.committed))
         )
         if reusable:
             self.kv.width = width
-            self.last_layout = BeginInfo(False, 0, sum(pad))
+            self.last_layout = BeginInfo(False, 0, sum(first))
         else:
             capacity = need + HEADROOM
             index = self.store.gather_index(list(rids), kept, width, capacity)
             self.kv = BatchKV(self.store.gather(index), len(reqs), capacity, width)
             self.stats.gathers += 1
-            padded = sum(1 for p in pad if p > 0)
+            padded = sum(1 for s in first if s > 0)
             self.stats.padded_rows += padded
             self.stats.gathered_tokens += len(reqs) * capacity
-            self.last_layout = BeginInfo(True, padded, sum(pad))
+            self.last_layout = BeginInfo(True, padded, sum(first))
 
-        tail_ids = torch.zeros(len(reqs), tail, dtype=torch.long)
-        for i, (r, k, n) in enumerate(zip(reqs, kept, ends)):
-            if n > k:
-                tail_ids[i, tail - (n - k):] = torch.tensor(r.token_ids[k:n], dtype=torch.long)
+        tail_rows = [[0] * cp + r.token_ids[k:n] for r, k, n, cp in zip(reqs, kept, ends, tail_pad)]
         self.layout = _Layout(
-            rids=rids, width=width, tail=tail, kept=kept, pad=pad, tail_pad=tail_pad,
-            tail_ids=tail_ids.to(self.device), start=torch.tensor(pad, dtype=torch.long, device=self.device),
-            extra_budget=extra,
+            rids=rids, width=width, tail=tail, kept=kept, first=first, tail_pad=tail_pad,
+            tail_ids=torch.tensor(tail_rows, dtype=torch.long, device=self.device).view(len(reqs), tail),
+            start=torch.tensor(first, dtype=torch.long, device=self.device), extra_budget=extra,
         )
         if self.debug:
             self.check_layout()
@@ -234,14 +231,15 @@ class ModelRunner:
     # ----------------------------------------------------------------------------- checks
     def check_layout(self) -> None:
         """Debug invariant: the working buffer holds each row's committed KV right-aligned at
-        `width`, with the store's values, and masks/positions count 0..len-1 over content."""
+        `width`, equal to the store's entries, so every row's content ends at the right edge
+        (masks and positions then follow from `layout_inputs`)."""
         lay, kv = self.layout, self.kv
         if kv.width != lay.width:
             raise AssertionError(f"{self.name}: buffer width {kv.width} != layout width {lay.width}")
         expect = self.store.gather(self.store.gather_index(list(lay.rids), lay.kept, lay.width, lay.width))
         got = kv.columns(0, lay.width)
         for i, k in enumerate(lay.kept):
-            if lay.pad[i] - lay.tail_pad[i] != lay.width - k:
+            if lay.first[i] - lay.tail_pad[i] != lay.width - k:
                 raise AssertionError(f"{self.name}: row {i} is not right-aligned")
             sl = slice(i * lay.width + lay.width - k, (i + 1) * lay.width)
             if not torch.equal(expect[:, :, :, sl], got[:, :, :, sl]):

@@ -1,0 +1,139 @@
+"""The benchmark: JSON schema, honest accounting, the analytic limit, and the transformers peers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from batchspec import SamplingParams, load_pair
+from batchspec.bench import ideal_speedup, markdown_table, plan, run_bench
+from batchspec.bench.peers import count_tokens
+from batchspec.cli import app
+from batchspec.harness import check_reference_against_hf, reference_outputs
+
+PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, item):", "return", "self.items.append("]
+
+
+@pytest.fixture(scope="module")
+def report(tiny_dirs):
+    pair = load_pair(tiny_dirs["target"], tiny_dirs["draft"])
+    ids = [pair.tokenizer(p)["input_ids"] for p in PROMPTS]
+    params = [SamplingParams(max_new_tokens=10)] * len(ids)
+    return run_bench(pair, ids, params, methods=["autoregressive", "eqspec", "exspec"], batch_sizes=[1, 2],
+                     gammas=[2], drafters=["draft_model", "oracle:0.5"], peers=True, repeat=2)
+
+
+def test_json_schema(report):
+    assert set(report) >= {"machine", "config", "results", "notes"}
+    json.dumps(report)  # serialisable
+    keys = {"method", "batch_size", "gamma", "tokens_per_s", "speedup", "acceptance_rate", "time_share",
+            "ideal_speedup", "efficiency", "speedup_vs_bs1", "peak_memory_mb", "tokens_per_round", "accept_hist"}
+    ours = [r for r in report["results"] if not r["method"].startswith("hf_")]
+    assert {r["method"] for r in ours} == {"autoregressive", "eqspec", "exspec"}
+    for r in ours:
+        assert keys <= set(r), keys - set(r)
+        assert r["repeats"] == 2 and r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
+    spec = [r for r in ours if r["method"] != "autoregressive"]
+    assert all(r["c"] > 0 and r["v"] > 0 and r["efficiency"] == pytest.approx(r["speedup"] / r["ideal_speedup"])
+               for r in spec)
+    assert any(r["synthetic"] for r in spec) and any(not r["synthetic"] for r in spec)
+    assert "| method |" in markdown_table(report["results"])
+
+
+def test_time_shares_sum_to_one(report):
+    for r in report["results"]:
+        if r.get("time_share") is not None:
+            assert set(r["time_share"]) == {"draft", "verify", "align", "other"}
+            assert sum(r["time_share"].values()) == pytest.approx(1.0)
+            assert all(v >= 0 for v in r["time_share"].values())
+            if r["method"] == "autoregressive":
+                assert r["time_share"]["draft"] == 0
+
+
+def test_token_counting_is_identical_across_methods(report):
+    """Greedy outputs are identical, so every method (and the peers) must count the same tokens."""
+    counts = {r["tokens"] for r in report["results"]}
+    assert len(counts) == 1
+
+
+def test_speedups_are_same_run_ratios(report):
+    rows = report["results"]
+    ar = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["method"] == "autoregressive"}
+    hf = {r["batch_size"]: r["tokens_per_s"] for r in rows if r["method"] == "hf_generate"}
+    for r in rows:
+        if r["method"] in ("autoregressive", "eqspec", "exspec"):
+            assert r["speedup"] == pytest.approx(r["tokens_per_s"] / ar[r["batch_size"]])
+            assert r["speedup_vs_bs1"] == pytest.approx(r["tokens_per_s"] / ar[1])
+            assert r["vs_hf_generate"] == pytest.approx(r["tokens_per_s"] / hf[r["batch_size"]])
+
+
+def test_peer_rows(report):
+    rows = report["results"]
+    assert {r["batch_size"] for r in rows if r["method"] == "hf_generate"} == {1, 2}
+    assisted = [r for r in rows if r["method"] == "hf_assisted"]
+    assert assisted and all(r["batch_size"] == 1 for r in assisted)
+    for r in rows:
+        if r["method"] in ("eqspec", "exspec"):
+            if r["batch_size"] == 1:
+                assert r["vs_hf_assisted"] == pytest.approx(r["tokens_per_s"] / assisted[0]["tokens_per_s"])
+            else:
+                assert r["vs_hf_assisted"] is None
+    assert any("batch size 1 only" in n for n in report["notes"])
+
+
+def test_plan_says_when_assisted_cannot_run():
+    cells, notes = plan(["eqspec"], [4, 8], [5], ["draft_model"], peers=True)
+    assert not any(c.method == "hf_assisted" for c in cells)
+    assert any("not run" in n for n in notes)
+
+
+def test_ideal_speedup_formula():
+    # α = 0.5, γ = 2, c = 0.1, v = 1.2: (1 - 0.125) / (0.5 * (0.2 + 1.2)) = 1.25
+    assert ideal_speedup(0.5, 2, 0.1, 1.2) == pytest.approx(1.25)
+    # α = 0.8, γ = 5, c = 0.2, v = 1.5: (1 - 0.8^6) / (0.2 * 2.5)
+    assert ideal_speedup(0.8, 5, 0.2, 1.5) == pytest.approx((1 - 0.262144) / 0.5)
+    assert ideal_speedup(1.0, 3, 0.0, 1.0) == pytest.approx(4.0)  # limit α -> 1
+    assert math.isclose(ideal_speedup(0.0, 4, 0.25, 1.0), 0.5)
+
+
+def test_count_tokens_stops_at_eos_and_caps():
+    assert count_tokens([5, 6, 2, 7], (2,), 10) == [5, 6, 2]
+    assert count_tokens([5, 6, 7, 8], (2,), 3) == [5, 6, 7]
+
+
+def test_reference_check_against_transformers(tiny_dirs):
+    pair = load_pair(tiny_dirs["target"], None, need_draft=False)
+    ids = [pair.tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    params = SamplingParams(max_new_tokens=12)
+    refs = reference_outputs(pair, ids, params)
+    assert check_reference_against_hf(pair, ids, refs, params)["identical"]
+    broken = [refs[0][:-1] + [(refs[0][-1] + 1) % pair.vocab_size], refs[1]]
+    result = check_reference_against_hf(pair, ids, broken, params)
+    assert not result["identical"] and result["exact_match"] == 0.5
+
+
+def test_cli_bench_and_verify(tiny_dirs, tmp_path):
+    runner = CliRunner()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    common = ["--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--prompts", str(prompts),
+              "--max-new-tokens", "6"]
+    out = tmp_path / "bench.json"
+    result = runner.invoke(app, ["bench", *common, "--methods", "autoregressive,eqspec", "--batch-sizes", "1,2",
+                                 "--gamma", "2", "--peers", "hf", "--json", str(out), "--plots", str(tmp_path / "pl")])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert {r["method"] for r in data["results"]} == {"autoregressive", "eqspec", "hf_generate", "hf_assisted"}
+    assert {p.name for p in (tmp_path / "pl").iterdir()} == {"throughput.png", "speedup.png", "time_share.png",
+                                                             "acceptance.png"}
+    vout = tmp_path / "verify.json"
+    result = runner.invoke(app, ["verify", *common, "--methods", "eqspec,exspec", "--batch-sizes", "1,3",
+                                 "--json", str(vout)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(vout.read_text())["results"]
+    assert all({"method", "batch_size", "num_prompts", "exact_match", "partial_match"} <= set(r) for r in rows)
+    assert all(r["exact_match"] == 1.0 and r["partial_match"] == 1.0 for r in rows)
+    assert "identical" in result.output
