@@ -15,7 +15,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Exact batch speculative decoding for Hugging Face causal LMs.")
 console = Console(stderr=True)
 
-TARGET = typer.Option(None, "--target", help="Target model: local path or hub id [default: bundled target]")
+TARGET = typer.Option(None, "--target", help="Target model: local path or hub id, or random:<path or id> for "
+                                             "random weights from a config [default: bundled target]")
 DRAFT = typer.Option(None, "--draft", help="Draft model sharing the target's tokenizer [default: bundled draft]")
 DTYPE = typer.Option("auto", "--dtype", help="float32 (CPU default), bfloat16 (CUDA default), float16, float64")
 DEVICE = typer.Option("auto", "--device", help="cpu, cuda or cuda:N [default: cuda if available]")
@@ -260,6 +261,7 @@ def bench(
 ):
     """Throughput, speed-ups, overhead anatomy and the analytic limit for a grid of settings."""
     from .bench import markdown_table, run_bench
+    from .bench.report import scheduling_table
     from .config import EngineConfig
     from .drafters import parse_drafter
     from .models import load_pair
@@ -305,6 +307,9 @@ def bench(
     except ValueError as exc:
         fail(str(exc))
     typer.echo(markdown_table(report["results"]))
+    sched = scheduling_table(report["results"])
+    if sched:
+        typer.echo("\n" + sched)
     for note in report["notes"]:
         typer.echo(f"\nnote: {note}")
     m = report["machine"]

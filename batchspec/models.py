@@ -115,8 +115,12 @@ def check_models(target, draft, vocab_size: int) -> None:
 
 def load_pair(target: str | None = None, draft: str | None = None, *, dtype: str | None = None,
               device: str | None = None, need_draft: bool = True) -> ModelPair:
-    """Load target and draft by local path or hub id (defaults: the bundled pair)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Load target and draft by local path or hub id (defaults: the bundled pair).
+
+    "random:<path or id>" builds a model with random weights from that config (and takes its
+    tokenizer): for overhead studies of large architectures where no trained weights exist.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
@@ -125,14 +129,18 @@ def load_pair(target: str | None = None, draft: str | None = None, *, dtype: str
         draft = default_draft() if target == default_target() else None
         if draft is None:
             raise ValueError("a speculative method needs --draft (a model sharing the target's tokenizer)")
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer = AutoTokenizer.from_pretrained(_source(target))
     vocab_size = len(tokenizer)
     if draft is not None:
-        check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(draft))
+        check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(_source(draft)))
     ensure_pad_token(tokenizer)
 
-    def load(path):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    def load(spec):
+        if spec.startswith("random:"):
+            config = AutoConfig.from_pretrained(_source(spec))
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
         return model.to(device).eval()
 
     target_model = load(target)
@@ -140,3 +148,7 @@ def load_pair(target: str | None = None, draft: str | None = None, *, dtype: str
     check_models(target_model, draft_model, vocab_size)
     return ModelPair(target_model, draft_model, tokenizer, vocab_size, eos_ids(target_model, tokenizer),
                      target_name=str(target), draft_name=str(draft) if draft else None)
+
+
+def _source(spec: str) -> str:
+    return spec.removeprefix("random:")

@@ -120,3 +120,14 @@ def test_cli_generate_writes_jsonl(tiny_dirs, tmp_path):
     assert all(set(r) >= {"prompt", "text", "token_ids", "finish_reason"} for r in rows)
     assert all(len(r["token_ids"]) <= 6 for r in rows)
     assert "tokens/s" in result.output and "acceptance" in result.output
+
+
+def test_random_init_from_config(tiny_dirs):
+    """random:<dir> builds the architecture with fresh weights (overhead studies without weights)."""
+    pair = load_pair(f"random:{tiny_dirs['target']}", f"random:{tiny_dirs['draft']}")
+    trained = load_pair(tiny_dirs["target"], tiny_dirs["draft"])
+    assert type(pair.target) is type(trained.target)
+    assert not all((a == b).all() for a, b in zip(pair.target.parameters(), trained.target.parameters()))
+    engine = SpecEngine(pair, EngineConfig(batch_size=2, gamma=2))
+    outs = engine.generate(["def f():"], SamplingParams(max_new_tokens=4))
+    assert len(outs[0].token_ids) == 4 or outs[0].finish_reason == "stop"
