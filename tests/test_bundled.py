@@ -35,8 +35,9 @@ def test_verify_exact_on_the_bundled_pair(pair, prompt_ids):
     assert [(r["batch_size"], r["exact_match"]) for r in rows] == [(1, 1.0), (8, 1.0)]
 
 
-def test_bundled_draft_is_accepted_often(pair, prompt_ids):
-    """A regression guard on the shipped weights, not a benchmark."""
-    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=8, gamma=5))
-    engine.generate(prompt_ids, SamplingParams(max_new_tokens=64))
+def test_bundled_draft_is_accepted_often(pair):
+    """A regression guard on the shipped weights, not a benchmark: the model card's measurement
+    (all bundled prompts, 128 new tokens, γ = 5)."""
+    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=16, gamma=5))
+    engine.generate(load_prompts(), SamplingParams(max_new_tokens=128))
     assert engine.stats.accepted / engine.stats.drafted > 0.5

@@ -124,3 +124,22 @@ def test_uniform_acceptance_reuses_the_buffer():
         r.token_ids.extend([7] * (a + 1))
     runner.begin(reqs)
     assert runner.stats.gathers == gathers + 1 and runner.last_layout.padded_rows > 0
+
+
+def test_replaced_batch_buffers_are_freed_at_once():
+    """A BatchKV must not sit in a reference cycle: buffers replaced every few rounds would
+    otherwise pile up until the cyclic collector runs (it once took a long run to 24 GB)."""
+    import gc
+    import weakref
+
+    from batchspec.core.batch_cache import BatchKV
+
+    gc.disable()
+    try:
+        kv = BatchKV(torch.zeros(2, 2, 1, 3 * 8, 4), rows=3, capacity=8, width=2)
+        kv.layers[0].update(torch.ones(3, 1, 1, 4), torch.ones(3, 1, 1, 4))
+        buf, cache = weakref.ref(kv.buf), weakref.ref(kv)
+        del kv
+        assert cache() is None and buf() is None
+    finally:
+        gc.enable()

@@ -104,32 +104,30 @@ def bonus_from_draft(p, q, drafts, u_accept, u_final):
     return VerifyResult(res.accepted, tokens)
 
 
-def residual_unclamped(p, q, drafts, u_accept, u_final):
-    """Recovered token drawn from p - q without max(0, .)."""
+def _redraw_recovered(p, q, drafts, u_accept, u_final, draw):
+    """The correct verifier, except that each recovered token is `draw(p - q, u)` instead."""
     res = rejection_verify(p, q, drafts, u_accept, u_final)
     rows = torch.arange(len(drafts))
     gamma = drafts.shape[1]
     j = res.accepted.clamp(max=gamma - 1)
-    residual = p[rows, j] - q[rows, j]
-    tokens = res.tokens.clone()
-    rejected = res.accepted < gamma
-    tokens[rows[rejected], res.accepted[rejected]] = sample(residual, u_final)[rejected]
-    return VerifyResult(res.accepted, tokens)
-
-
-def residual_unnormalised(p, q, drafts, u_accept, u_final):
-    """Recovered token drawn by inverse CDF from the residual as if it summed to 1."""
-    res = rejection_verify(p, q, drafts, u_accept, u_final)
-    rows = torch.arange(len(drafts))
-    gamma = drafts.shape[1]
-    j = res.accepted.clamp(max=gamma - 1)
-    residual = (p[rows, j] - q[rows, j]).clamp(min=0)
-    cdf = residual.cumsum(-1)
-    wrong = torch.searchsorted(cdf, u_final.unsqueeze(-1), right=True).squeeze(-1).clamp(max=V - 1)
+    wrong = draw(p[rows, j] - q[rows, j], u_final)
     tokens = res.tokens.clone()
     rejected = res.accepted < gamma
     tokens[rows[rejected], res.accepted[rejected]] = wrong[rejected]
     return VerifyResult(res.accepted, tokens)
+
+
+def residual_unclamped(p, q, drafts, u_accept, u_final):
+    """Recovered token drawn from p - q without max(0, .)."""
+    return _redraw_recovered(p, q, drafts, u_accept, u_final, sample)
+
+
+def residual_unnormalised(p, q, drafts, u_accept, u_final):
+    """Recovered token drawn by inverse CDF from the residual as if it summed to 1."""
+    def draw(residual, u):
+        cdf = residual.clamp(min=0).cumsum(-1).contiguous()
+        return torch.searchsorted(cdf, u.unsqueeze(-1).contiguous(), right=True).squeeze(-1).clamp(max=V - 1)
+    return _redraw_recovered(p, q, drafts, u_accept, u_final, draw)
 
 
 @pytest.mark.parametrize("broken", [bonus_from_draft, residual_unclamped, residual_unnormalised])

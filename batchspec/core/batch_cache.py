@@ -12,6 +12,8 @@ contiguous, which is what attention kernels want.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -23,8 +25,14 @@ class _Layer(CacheLayerMixin):
 
     def __init__(self, owner: BatchKV, index: int) -> None:
         super().__init__()
-        self.owner, self.index = owner, index
+        # A weak reference: a cycle BatchKV <-> layer would keep every replaced buffer alive until
+        # Python's cyclic collector happens to run, which it does not schedule by tensor memory.
+        self._owner, self.index = weakref.ref(owner), index
         self.is_initialized = True
+
+    @property
+    def owner(self) -> BatchKV:
+        return self._owner()
 
     def lazy_initialization(self, key_states, value_states) -> None:  # preallocated
         return None
