@@ -73,9 +73,10 @@ def plot_all(results: list[dict], out_dir: str | Path, title: str = "") -> list[
         ax.axhline(1.0, color="grey", linewidth=1)
         _batch_axis(ax, sizes)
         ax.set_ylabel(label)
+    colors = {line.get_label(): line.get_color() for line in axes[1].get_lines()}
     assisted = [(r, r["vs_hf_assisted"]) for r in results if r.get("vs_hf_assisted")]
-    for r, ratio in assisted:
-        axes[1].scatter([1], [ratio], marker="*", s=120, zorder=5,
+    for r, ratio in assisted:  # a star in the colour of its series
+        axes[1].scatter([1], [ratio], marker="*", s=140, zorder=5, color=colors.get(series_name(r)),
                         label=f"{series_name(r)} vs hf_assisted (bs 1)")
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=8)
