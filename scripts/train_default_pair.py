@@ -353,7 +353,7 @@ def stage_card(args) -> None:
         target_params=params["target"] / 1e6, draft_params=params["draft"] / 1e6,
         target_mb=sizes["target"] / 2**20, draft_mb=sizes["draft"] / 2**20,
         target_ms=target_ms, draft_ms=draft_ms, ratio=target_ms / draft_ms, context=context,
-        acceptance=acceptance, prompts=len(ids), **{f"{k}_{s}": v for s in ("corpus",) for k, v in last[s].items()},
+        acceptance=acceptance, prompts=len(ids), **{f"{k}_corpus": v for k, v in last["corpus"].items()},
         target_seconds=last["target_done"]["seconds"], target_heldout=last["target_done"]["heldout_loss"],
         draft_seconds=last["draft_done"]["seconds"], draft_train_seconds=last["draft_done"]["train_seconds"],
         draft_data_seconds=last["draft_data"]["seconds"], draft_heldout=last["draft_eval"]["heldout_loss"],
