@@ -29,6 +29,8 @@ TOP_P = typer.Option(1.0, "--top-p", help="1.0 = off")
 SEED = typer.Option(None, "--seed", help="Run seed: request i gets a seed derived from it and i")
 WINDOW = typer.Option(None, "--window", help="exspec: sequences in flight [default: 4 x batch size]")
 SORT = typer.Option(False, "--sort-by-length", help="Admit prompts shortest first")
+FORWARD = typer.Option("auto", "--forward", help="How models run: auto (batchspec's lean forward for Llama-family "
+                                                "models, transformers modules otherwise), lean, hf")
 DRAFTER = typer.Option("draft_model", "--drafter", help="draft_model, or oracle:<p> (synthetic, for overhead studies)")
 
 
@@ -84,7 +86,7 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Wrap prompts in the tokenizer's chat template"),
     output: Path = typer.Option(None, "--output", help="Write outputs as JSONL"),
     temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
-    window: int = WINDOW, sort_by_length: bool = SORT, drafter: str = DRAFTER,
+    window: int = WINDOW, sort_by_length: bool = SORT, drafter: str = DRAFTER, forward: str = FORWARD,
     dtype: str = DTYPE, device: str = DEVICE,
     quiet: bool = typer.Option(False, "--quiet", help="Do not print completions"),
 ):
@@ -99,7 +101,7 @@ def generate(
         texts = read_prompts(prompt, prompts, num_prompts)
         params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, len(texts))
         config = EngineConfig(method=method, gamma=gamma, batch_size=batch_size, window=window,
-                              sort_by_length=sort_by_length, drafter=drafter)
+                              sort_by_length=sort_by_length, drafter=drafter, forward=forward)
         if output is not None and not output.parent.exists():
             raise ValueError(f"output folder {output.parent} does not exist")
         engine = SpecEngine.from_pretrained(target, draft, config, dtype=dtype, device=device)
@@ -136,7 +138,7 @@ def verify(
     batch_sizes: str = typer.Option("1,2,8", "--batch-sizes", help="Comma-separated batch sizes"),
     gamma: int = GAMMA, max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     prompts: Path = PROMPTS, num_prompts: int = typer.Option(16, "--num-prompts"),
-    drafter: str = DRAFTER, window: int = WINDOW,
+    drafter: str = DRAFTER, window: int = WINDOW, forward: str = FORWARD,
     hf_check: int = typer.Option(3, "--hf-check", help="Prompts on which the reference is checked against "
                                                         "transformers' generate (0 = skip)"),
     temperature: float = typer.Option(0.0, "--temperature", help="> 0: check the sampling distribution instead"),
@@ -157,7 +159,7 @@ def verify(
         for m in method_list:
             for bs in sizes:
                 EngineConfig(method=m, batch_size=bs, gamma=gamma, drafter=drafter,
-                             window=window if m == "exspec" else None)
+                             window=window if m == "exspec" else None, forward=forward)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
         if samples < 10:
             raise ValueError("--samples must be >= 10")
@@ -167,7 +169,7 @@ def verify(
         ids = [pair.tokenizer(t)["input_ids"] for t in texts]
         config = {"target": pair.target_name, "draft": pair.draft_name, "gamma": gamma, "dtype": dtype,
                   "max_new_tokens": max_new_tokens, "drafter": drafter, "num_prompts": len(ids),
-                  "temperature": temperature, "top_k": top_k, "top_p": top_p}
+                  "temperature": temperature, "top_k": top_k, "top_p": top_p, "forward": forward}
         if params.greedy:
             ok = _verify_greedy(pair, ids, method_list, sizes, gamma, params, drafter, window, hf_check, config,
                                 json_path)
@@ -183,7 +185,7 @@ def _verify_greedy(pair, ids, methods, sizes, gamma, params, drafter, window, hf
     from .harness import check_reference_against_hf, reference_outputs, run_equivalence
 
     with console.status("reference: target-only greedy, batch size 1"):
-        refs = reference_outputs(pair, ids, params)
+        refs = reference_outputs(pair, ids, params, config["forward"])
     hf = None
     if hf_check > 0:
         with console.status("checking the reference against transformers' generate"):
@@ -191,7 +193,8 @@ def _verify_greedy(pair, ids, methods, sizes, gamma, params, drafter, window, hf
     with progress_bar(tokens=False) as bar:
         task = bar.add_task("verify", total=len(methods) * len(sizes))
         results = run_equivalence(pair, ids, methods, sizes, gamma, params, drafter=drafter, window=window,
-                                  references=refs, on_result=lambda r: bar.update(task, advance=1))
+                                  forward=config["forward"], references=refs,
+                                  on_result=lambda r: bar.update(task, advance=1))
     table = Table(title=f"output equivalence vs target-only greedy (bs=1): {len(ids)} prompts, "
                         f"{params.max_new_tokens} new tokens, dtype {config['dtype']}")
     for col in ("method", "batch", "gamma", "exact match", "partial match", "acceptance"):
@@ -250,6 +253,8 @@ def bench(
     temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
     window: str = typer.Option("4x", "--window", help="exspec windows, comma-separated: 64 = 64 sequences, "
                                                      "4x = 4 x batch size"),
+    forward: str = typer.Option("auto", "--forward", help="Comma-separated forwards for our methods: auto (lean "
+                                                          "for Llama-family models), hf (transformers modules)"),
     sort_by_length: bool = SORT,
     prompt_tokens: int = typer.Option(None, "--prompt-tokens", help="Cut every prompt to its first N tokens and "
                                                                      "drop shorter ones: identical prompt lengths"),
@@ -280,10 +285,12 @@ def bench(
         windows = parse_list(window, str, "--window")
         if not all(re.fullmatch(r"[1-9][0-9]*x?", w) for w in windows):
             raise ValueError(f"--window takes sizes like 64 or multiples like 4x, got {window!r}")
+        forward_list = parse_list(forward, str, "--forward")
         for m in method_list:
             for bs in sizes:
                 for g in gammas:
-                    EngineConfig(method=m, batch_size=bs, gamma=g)
+                    for f in forward_list:
+                        EngineConfig(method=m, batch_size=bs, gamma=g, forward=f)
         texts = read_prompts(None, prompts, num_prompts)
         params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, len(texts))
         needs_draft = peers == "hf" or ("draft_model" in drafter_list and any(m != "autoregressive"
@@ -303,6 +310,7 @@ def bench(
 
             report = run_bench(pair, ids, params, methods=method_list, batch_sizes=sizes, gammas=gammas,
                                drafters=drafter_list, peers=peers == "hf", repeat=repeat, windows=windows,
+                               forwards=forward_list,
                                sort_by_length=sort_by_length, profile=profile, progress=step)
     except ValueError as exc:
         fail(str(exc))

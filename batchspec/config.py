@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("autoregressive", "eqspec", "exspec")
+FORWARDS = ("auto", "lean", "hf")
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class EngineConfig:
     sort_by_length  admit prompts shortest first (outputs still return in input order).
     drafter       how drafts are proposed: "draft_model" (the draft model) or "oracle:<p>",
                   a synthetic drafter for overhead studies (see batchspec.drafters.oracle).
+    forward       how models run: "auto" (batchspec's lean forward for Llama-family models, the
+                  transformers modules otherwise), "lean" (require it) or "hf" (always the modules);
+                  see batchspec.core.forward.
     debug         check the batch layout invariants after every alignment (slow).
     profile       synchronise the device at stage boundaries so stage timers are exact on CUDA.
     """
@@ -30,6 +34,7 @@ class EngineConfig:
     sort_by_length: bool = False
     drafter: str = "draft_model"
     block_size: int = 16
+    forward: str = "auto"
     debug: bool = False
     profile: bool = False
 
@@ -45,6 +50,8 @@ class EngineConfig:
                 raise ValueError("window applies to method 'exspec' only; drop it or use --method exspec")
             if self.window < self.batch_size:
                 raise ValueError(f"window ({self.window}) must be >= batch_size ({self.batch_size})")
+        if self.forward not in FORWARDS:
+            raise ValueError(f"unknown forward {self.forward!r}; choose one of {', '.join(FORWARDS)}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 

@@ -39,11 +39,12 @@ class SpecEngine:
         self.device = pair.target.device
         self.timer = StageTimer(self.device, sync=self.config.profile)
         cfg = self.config
-        self.target = ModelRunner(pair.target, "target", pair.vocab_size, cfg.block_size, self.timer, cfg.debug)
+        self.target = ModelRunner(pair.target, "target", pair.vocab_size, cfg.block_size, self.timer, cfg.debug,
+                                  cfg.forward)
         self.draft_runner = None
         if cfg.speculative and pair.draft is not None:
             self.draft_runner = ModelRunner(pair.draft, "draft", pair.vocab_size, cfg.block_size, self.timer,
-                                            cfg.debug)
+                                            cfg.debug, cfg.forward)
         self.context = min(c for c in (context_length(pair.target),
                                        context_length(pair.draft) if self.draft_runner else None,
                                        10**9) if c is not None)

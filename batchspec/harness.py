@@ -19,9 +19,10 @@ from .models import ModelPair
 from .sampling import SamplingParams
 
 
-def reference_outputs(pair: ModelPair, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+def reference_outputs(pair: ModelPair, prompts: list[list[int]], params: SamplingParams,
+                      forward: str = "auto") -> list[list[int]]:
     """Target-only greedy output of every prompt, run alone (batch size 1)."""
-    engine = SpecEngine(pair, EngineConfig(method="autoregressive", batch_size=1))
+    engine = SpecEngine(pair, EngineConfig(method="autoregressive", batch_size=1, forward=forward))
     return [engine.generate([ids], params)[0].token_ids for ids in prompts]
 
 
@@ -74,19 +75,20 @@ def run_equivalence(
     *,
     drafter: str = "draft_model",
     window: int | None = None,
+    forward: str = "auto",
     references: list[list[int]] | None = None,
     on_result: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Compare every method x batch size with the reference; one result dict per cell."""
     if not params.greedy:
         raise ValueError("output equivalence is defined for greedy decoding (temperature 0)")
-    references = references if references is not None else reference_outputs(pair, prompts, params)
+    references = references if references is not None else reference_outputs(pair, prompts, params, forward)
     ref_map = {tuple(p): r for p, r in zip(prompts, references)}
     results = []
     for method in methods:
         for bs in batch_sizes:
             config = EngineConfig(method=method, batch_size=bs, gamma=gamma, drafter=drafter,
-                                  window=window if method == "exspec" else None)
+                                  window=window if method == "exspec" else None, forward=forward)
             engine = SpecEngine(pair, config)
             outs = engine.generate(prompts, params, references=ref_map)
             exact, partial = match_scores([o.token_ids for o in outs], references)

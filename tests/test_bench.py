@@ -90,6 +90,25 @@ def test_plan_says_when_assisted_cannot_run():
     assert any("not run" in n for n in notes)
 
 
+def test_forward_rows_compare_within_their_forward(tiny_dirs):
+    """--forward auto,hf: each method twice; a row's speed-up is over autoregressive through the same
+    forward, the peers' over our default one, and the step costs are measured per forward."""
+    pair = load_pair(tiny_dirs["target"], tiny_dirs["draft"])
+    ids = [pair.tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    params = [SamplingParams(max_new_tokens=6)] * len(ids)
+    report = run_bench(pair, ids, params, methods=["autoregressive", "eqspec"], batch_sizes=[2], gammas=[2],
+                       peers=True, forwards=["auto", "hf"])
+    rows = {r["method"]: r for r in report["results"]}
+    assert set(rows) == {"autoregressive", "autoregressive[hf]", "eqspec", "eqspec[hf]", "hf_generate"}
+    for name, base in (("eqspec", "autoregressive"), ("eqspec[hf]", "autoregressive[hf]"),
+                       ("hf_generate", "autoregressive")):
+        assert rows[name]["speedup"] == pytest.approx(rows[name]["tokens_per_s"] / rows[base]["tokens_per_s"])
+    assert rows["autoregressive[hf]"]["vs_hf_generate"] == pytest.approx(
+        rows["autoregressive[hf]"]["tokens_per_s"] / rows["hf_generate"]["tokens_per_s"])
+    assert set(report["config"]["step_costs"]) == {"bs=2,gamma=2,forward=auto", "bs=2,gamma=2,forward=hf"}
+    assert "eqspec[hf]" in markdown_table(report["results"])
+
+
 def test_ideal_speedup_formula():
     # α = 0.5, γ = 2, c = 0.1, v = 1.2: (1 - 0.125) / (0.5 * (0.2 + 1.2)) = 1.25
     assert ideal_speedup(0.5, 2, 0.1, 1.2) == pytest.approx(1.25)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from statistics import mean
 
+from ..core.forward import lean_unsupported
 from .costs import ideal_speedup, step_costs
 from .machine import machine_info
 from .report import markdown_table
@@ -11,10 +12,11 @@ from .runner import Bench, Cell, measure_costs, plan, summarize
 
 
 def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, gammas, drafters=("draft_model",),
-              peers: bool = False, repeat: int = 1, windows=("4x",), sort_by_length=False, profile=False,
-              progress=None) -> dict:
+              peers: bool = False, repeat: int = 1, windows=("4x",), forwards=("auto",), sort_by_length=False,
+              profile=False, progress=None) -> dict:
     """Run the grid and return the JSON-ready report: {machine, config, notes, results}."""
-    cells, notes = plan(list(methods), list(batch_sizes), list(gammas), list(drafters), peers, list(windows))
+    cells, notes = plan(list(methods), list(batch_sizes), list(gammas), list(drafters), peers, list(windows),
+                        list(forwards))
     bench = Bench(pair, prompts, params, sort_by_length=sort_by_length, profile=profile, progress=progress)
     runs = bench.measure(cells, repeat)
     context = int(mean(len(p) for p in prompts) + params[0].max_new_tokens / 2)
@@ -40,9 +42,12 @@ def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, g
         "temperature": params[0].temperature, "top_k": params[0].top_k, "top_p": params[0].top_p,
         "methods": list(methods), "batch_sizes": list(batch_sizes), "gammas": list(gammas),
         "drafters": list(drafters), "peers": ["hf_generate", "hf_assisted"] if peers else [], "repeat": repeat,
-        "windows": list(windows), "sort_by_length": sort_by_length, "profile_sync": profile and device.type == "cuda",
+        "windows": list(windows), "forwards": list(forwards),
+        "auto_forward": {name: "lean" if lean_unsupported(m) is None else f"hf ({lean_unsupported(m)})"
+                         for name, m in (("target", pair.target), ("draft", pair.draft)) if m is not None},
+        "sort_by_length": sort_by_length, "profile_sync": profile and device.type == "cuda",
         "timers_exact": timers_exact, "cost_context_tokens": context,
-        "step_costs": {f"bs={bs},gamma={g}": c for (bs, g), c in costs.items()},
+        "step_costs": {f"bs={bs},gamma={g},forward={f}": c for (bs, g, f), c in costs.items()},
     }
     return {"machine": machine_info(device), "config": config, "notes": notes, "results": results}
 

@@ -19,6 +19,7 @@ import time
 import torch
 
 from ..core.batch_cache import BatchKV
+from ..core.forward import make_forward
 from ..core.runner import kv_shape
 
 
@@ -27,8 +28,10 @@ def ideal_speedup(alpha: float, gamma: int, c: float, v: float) -> float:
     return tokens / (gamma * c + v)
 
 
-def step_time(model, batch: int, context: int, tokens: int, repeats: int = 7) -> float:
-    """Median seconds of one forward of `tokens` tokens per row over a `context`-token KV cache."""
+def step_time(model, batch: int, context: int, tokens: int, repeats: int = 7, forward: str = "auto") -> float:
+    """Median seconds of one forward of `tokens` tokens per row over a `context`-token KV cache,
+    through the forward the engine runs (`batchspec.core.forward`)."""
+    run = make_forward(model, forward)
     layers, heads, head_dim = kv_shape(model)
     capacity = context + tokens
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -39,24 +42,22 @@ def step_time(model, batch: int, context: int, tokens: int, repeats: int = 7) ->
     mask = torch.ones(batch, capacity, dtype=torch.bool, device=model.device)
     positions = (torch.arange(context, capacity, device=model.device)[None, :]).expand(batch, -1)
     times = []
-    with torch.no_grad():
-        for i in range(repeats + 2):
-            kv.width = context
-            if model.device.type == "cuda":
-                torch.cuda.synchronize(model.device)
-            start = time.perf_counter()
-            model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv,
-                  use_cache=True, logits_to_keep=tokens)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize(model.device)
-            if i >= 2:  # warm-up
-                times.append(time.perf_counter() - start)
+    for i in range(repeats + 2):
+        kv.width = context
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        start = time.perf_counter()
+        run(ids, mask, positions, kv, tokens, padded=False)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        if i >= 2:  # warm-up
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def step_costs(target, draft, batch: int, context: int, gamma: int) -> dict:
+def step_costs(target, draft, batch: int, context: int, gamma: int, forward: str = "auto") -> dict:
     """{"c": draft step / target step, "v": (γ+1)-token verify / target step, "target_step_s": ...}."""
-    t1 = step_time(target, batch, context, 1)
-    tv = step_time(target, batch, context, gamma + 1)
-    td = step_time(draft, batch, context, 1) if draft is not None else 0.0
+    t1 = step_time(target, batch, context, 1, forward=forward)
+    tv = step_time(target, batch, context, gamma + 1, forward=forward)
+    td = step_time(draft, batch, context, 1, forward=forward) if draft is not None else 0.0
     return {"c": td / t1, "v": tv / t1, "target_step_s": t1, "draft_step_s": td, "verify_step_s": tv}

@@ -30,10 +30,17 @@ class Cell:
     gamma: int | None = None
     drafter: str | None = None
     window: int | None = None  # exspec only
+    forward: str | None = None  # ours only: EngineConfig.forward
+
+    @property
+    def name(self) -> str:
+        """The method as tables show it: "autoregressive", or "autoregressive[hf]" when run through
+        the transformers modules instead of the default forward."""
+        return self.method if self.forward in (None, "auto") else f"{self.method}[{self.forward}]"
 
     @property
     def label(self) -> str:
-        parts = [self.method, f"bs={self.batch_size}"]
+        parts = [self.name, f"bs={self.batch_size}"]
         if self.gamma is not None:
             parts.append(f"γ={self.gamma}")
         if self.window is not None:
@@ -55,19 +62,19 @@ def window_sizes(spec: list[str], batch_size: int) -> list[int]:
 
 
 def plan(methods: list[str], batch_sizes: list[int], gammas: list[int], drafters: list[str],
-         peers: bool, windows: list[str] = ("4x",)) -> tuple[list[Cell], list[str]]:
+         peers: bool, windows: list[str] = ("4x",), forwards: list[str] = ("auto",)) -> tuple[list[Cell], list[str]]:
     """The grid, ordered so our methods and the peers alternate; plus notes on what was left out."""
     cells, notes = [], []
     for bs in batch_sizes:
         if "autoregressive" in methods:
-            cells.append(Cell("autoregressive", bs))
+            cells.extend(Cell("autoregressive", bs, forward=f) for f in forwards)
         if peers:
             cells.append(Cell("hf_generate", bs))
         if "eqspec" in methods:
-            cells.extend(Cell("eqspec", bs, g, d) for g in gammas for d in drafters)
+            cells.extend(Cell("eqspec", bs, g, d, forward=f) for g in gammas for d in drafters for f in forwards)
         if "exspec" in methods:
-            cells.extend(Cell("exspec", bs, g, d, w) for g in gammas for d in drafters
-                         for w in window_sizes(list(windows), bs))
+            cells.extend(Cell("exspec", bs, g, d, w, f) for g in gammas for d in drafters
+                         for w in window_sizes(list(windows), bs) for f in forwards)
         if peers and bs == 1:
             cells.extend(Cell("hf_assisted", 1, g) for g in gammas)
     if peers and 1 not in batch_sizes:
@@ -101,7 +108,7 @@ class Bench:
         if cell not in self.engines:
             config = EngineConfig(method=cell.method, batch_size=cell.batch_size, gamma=cell.gamma or 1,
                                   drafter=cell.drafter or "draft_model", sort_by_length=self.sort_by_length,
-                                  window=cell.window, profile=self.profile)
+                                  window=cell.window, profile=self.profile, forward=cell.forward or "auto")
             self.engines[cell] = SpecEngine(self.pair, config)
         return self.engines[cell]
 
@@ -146,21 +153,24 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
     tps = {c: [r.tokens / r.seconds for r in rs] for c, rs in runs.items()}
     med = {c: statistics.median(v) for c, v in tps.items()}
 
-    def base(method: str, bs: int, gamma=None) -> float | None:
+    def base(method: str, bs: int, gamma=None, forward="auto") -> float | None:
         for c in med:
-            if c.method == method and c.batch_size == bs and (gamma is None or c.gamma == gamma):
+            if (c.method == method and c.batch_size == bs and (gamma is None or c.gamma == gamma)
+                    and (c.forward or "auto") == forward):
                 return med[c]
         return None
 
     rows = []
     for cell, rs in runs.items():
         middle = sorted(rs, key=lambda r: r.tokens / r.seconds)[len(rs) // 2]
-        ar_same, ar_bs1 = base("autoregressive", cell.batch_size), base("autoregressive", 1)
+        fwd = cell.forward or "auto"  # a peer's speed-up is over our default autoregressive
+        ar_same, ar_bs1 = base("autoregressive", cell.batch_size, forward=fwd), base("autoregressive", 1, forward=fwd)
         hf_same = base("hf_generate", cell.batch_size)
         hf_assist = base("hf_assisted", 1, cell.gamma) if cell.batch_size == 1 else None
         ours = cell.method in OURS
         row = {
-            "method": cell.method, "batch_size": cell.batch_size, "gamma": cell.gamma, "window": cell.window,
+            "method": cell.name, "batch_size": cell.batch_size, "gamma": cell.gamma, "window": cell.window,
+            "forward": cell.forward,
             "drafter": cell.drafter if cell.method in ("eqspec", "exspec") else None,
             "synthetic": bool(cell.drafter and cell.drafter.startswith("oracle")),
             "tokens": middle.tokens, "seconds": middle.seconds,
@@ -181,8 +191,8 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
                                               "realigned_rows_per_round", "padding_tokens_per_round",
                                               "mean_batch_occupancy")})
             row["accept_hist"] = {str(k): hist[k] for k in sorted(hist)}
-        if cell.method in ("eqspec", "exspec") and (cell.batch_size, cell.gamma) in costs:
-            cost = costs[(cell.batch_size, cell.gamma)]
+        if cell.method in ("eqspec", "exspec") and (cell.batch_size, cell.gamma, fwd) in costs:
+            cost = costs[(cell.batch_size, cell.gamma, fwd)]
             alpha = stats["acceptance_rate"] or 0.0
             row["c"], row["v"] = cost["c"], cost["v"]
             row["ideal_speedup"] = ideal_speedup(alpha, cell.gamma, cost["c"], cost["v"])
@@ -193,11 +203,12 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
     return rows
 
 
-def measure_costs(pair, cells: list[Cell], context: int) -> dict[tuple[int, int], dict]:
+def measure_costs(pair, cells: list[Cell], context: int) -> dict[tuple[int, int, str], dict]:
+    """Step costs per (batch size, γ, forward) of the speculative cells."""
     out = {}
     for cell in cells:
-        if cell.method in ("eqspec", "exspec") and (cell.batch_size, cell.gamma) not in out:
+        key = (cell.batch_size, cell.gamma, cell.forward or "auto")
+        if cell.method in ("eqspec", "exspec") and key not in out:
             # the oracle drafter runs the draft model when there is one, so c is the same
-            out[(cell.batch_size, cell.gamma)] = step_costs(pair.target, pair.draft, cell.batch_size, context,
-                                                            cell.gamma)
+            out[key] = step_costs(pair.target, pair.draft, cell.batch_size, context, cell.gamma, forward=key[2])
     return out

@@ -30,6 +30,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .batch_cache import BatchKV
+from .forward import make_forward
 from .kv_store import KVStore
 from .request import Request
 
@@ -116,8 +117,9 @@ class ModelRunner:
     """
 
     def __init__(self, model, name: str, vocab_size: int, block_size: int = 16, timer=None,
-                 debug: bool = False) -> None:
+                 debug: bool = False, forward: str = "auto") -> None:
         self.model, self.name, self.vocab_size = model, name, vocab_size
+        self.forward = make_forward(model, forward)
         self.device = model.device
         layers, heads, head_dim = kv_shape(model)
         self.store = KVStore(layers, heads, head_dim, model.dtype, self.device, block_size)
@@ -195,12 +197,10 @@ class ModelRunner:
                 raise RuntimeError(f"{self.name}: feeding {n} more columns exceeds the {lay.extra_budget} "
                                    "extra columns announced to begin()")
             mask, positions = layout_inputs(lay.start, lay.width + lay.fed, n)
-        with torch.no_grad():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=self.kv, use_cache=True, logits_to_keep=keep)
+        logits = self.forward(ids, mask, positions, self.kv, keep, padded=any(lay.first))
         self.kv.advance(n)
         lay.fed += n
-        return out.logits[..., : self.vocab_size]
+        return logits[..., : self.vocab_size]
 
     def commit(self, reqs: list[Request], keep: list[int]) -> None:
         """Make the first keep[i] real tokens fed to row i since begin() part of its KV.

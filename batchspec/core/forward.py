@@ -1,0 +1,211 @@
+"""One forward pass of a causal LM over a `BatchKV`: logits for the last `keep` fed columns.
+
+Two implementations behind one call signature, `forward(ids, mask, positions, kv, keep)`:
+
+* `HFForward` calls the model's own `forward` (any architecture transformers can load);
+* `LeanForward` runs Llama-family decoders (Llama, Mistral without a sliding window, Qwen2,
+  Qwen3) straight from the model's own weight tensors: the same operations in the same order,
+  without transformers' per-call machinery (mask factories, output recorders, kwargs plumbing,
+  rotary recomputation), and with q/k/v and gate/up each computed as one matrix product. At
+  batch size 1 that machinery is most of a small model's step on a CPU. The weights are the
+  model's, not copies (the fused matrices are shared with the modules, whose weights become views
+  into them); `tests/test_forward.py` checks both paths give the same logits and greedy tokens.
+
+Inputs (as `core.runner.layout_inputs` builds them), with w = kv.width committed columns and n
+fed columns per row:
+    ids        [B, n]       tokens fed this call
+    mask       [B, w + n]   True over each row's content (left padding is False)
+    positions  [B, n]       position ids of the fed columns
+    padded     False when no row has padding (known from the layout, so no device sync is needed)
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+LEAN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+STATIC_ROPE = ("default", "linear", "llama3")  # inverse frequencies that do not depend on length
+
+
+class HFForward:
+    """The model's own forward (transformers modules)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, ids, mask, positions, kv, keep: int, padded: bool = True) -> torch.Tensor:
+        with torch.no_grad():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             past_key_values=kv, use_cache=True, logits_to_keep=keep)
+        return out.logits
+
+
+def lean_unsupported(model) -> str | None:
+    """Why `LeanForward` cannot run `model` (None when it can)."""
+    config = model.config
+    if config.model_type not in LEAN_TYPES:
+        return f"model type {config.model_type!r} is not one of {', '.join(LEAN_TYPES)}"
+    if config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
+        return "Mistral with a sliding window"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    rope = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope not in STATIC_ROPE:
+        return f"RoPE type {rope!r}"
+    if any(getattr(layer.mlp, "gate_proj", None) is None for layer in model.model.layers):
+        return "a decoder layer without a gated MLP"
+    projections = [m for layer in model.model.layers for m in (layer.self_attn, layer.mlp) for m in m.children()]
+    if any(isinstance(m, torch.nn.Linear) and type(m) is not torch.nn.Linear for m in projections):
+        return "projections that are not plain torch Linear layers (quantised or wrapped)"
+    return None
+
+
+def _linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    return F.linear(x, layer.weight, layer.bias)
+
+
+class _Fused:
+    """Linears that read the same input (q/k/v, gate/up) as one matrix product.
+
+    The modules' own weights become views into the fused weight, so memory is not doubled and the
+    transformers path keeps working on the same numbers. Calling returns the outputs in order."""
+
+    def __init__(self, *linears: torch.nn.Linear) -> None:
+        with torch.no_grad():
+            self.weight = torch.cat([lin.weight for lin in linears])
+            self.bias = None
+            if any(lin.bias is not None for lin in linears):
+                self.bias = torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
+                                       for lin in linears])
+            self.sizes = [lin.out_features for lin in linears]
+            offset = 0
+            for lin, size in zip(linears, self.sizes):
+                lin.weight = torch.nn.Parameter(self.weight[offset:offset + size], lin.weight.requires_grad)
+                if lin.bias is not None:
+                    lin.bias = torch.nn.Parameter(self.bias[offset:offset + size], lin.bias.requires_grad)
+                offset += size
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+class _RMSNorm:
+    """transformers' RMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, module) -> None:
+        self.weight, self.eps = module.weight, module.variance_epsilon
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class LeanForward:
+    """A Llama-family decoder run directly on its weights (see the module docstring)."""
+
+    def __init__(self, model) -> None:
+        reason = lean_unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the lean forward does not support this model: {reason}")
+        body = model.model  # no reference to `model` itself: make_forward caches by weak key
+        self.embed = body.embed_tokens.weight
+        self.norm = _RMSNorm(body.norm)
+        self.head = model.lm_head
+        self.layers = []
+        for layer in body.layers:
+            attn = layer.self_attn
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            self.layers.append((
+                _RMSNorm(layer.input_layernorm), _Fused(attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj,
+                _RMSNorm(q_norm) if q_norm is not None else None, _RMSNorm(k_norm) if k_norm is not None else None,
+                _RMSNorm(layer.post_attention_layernorm), _Fused(layer.mlp.gate_proj, layer.mlp.up_proj),
+                layer.mlp.down_proj,
+            ))
+        first = body.layers[0].self_attn
+        self.head_dim, self.scaling = first.head_dim, first.scaling
+        self.rotary = body.rotary_emb
+        self.cos = self.sin = None  # [P, head_dim] tables over positions 0..P-1, grown on demand
+
+    def _rope(self, positions: torch.Tensor, need: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, n, head_dim] for `positions` [B, n] (all below `need`, known from the
+        layout so the device is not asked), from the model's own rotary module."""
+        if self.cos is None or self.cos.shape[0] < need:
+            size = max(need, 2 * (0 if self.cos is None else self.cos.shape[0]), 256)
+            span = torch.arange(size, device=positions.device)[None]
+            with torch.no_grad():
+                cos, sin = self.rotary(self.embed[:1][None].to(dtype), span)
+            self.cos, self.sin = cos[0], sin[0]
+        return self.cos[positions], self.sin[positions]
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+    @staticmethod
+    def attention_mask(mask: torch.Tensor, width: int, n: int, padded: bool = True) -> torch.Tensor | None:
+        """[B, 1, n, w + n] boolean mask: fed column j sees content columns up to w + j, and
+        always itself, so a padding query never has an empty row (some attention kernels return
+        NaN there, which would reach real rows through the cache as 0 * NaN). None when no row
+        has padding and one column is fed (every key is visible).
+
+        Example, w = 2, n = 2, row mask [0, 1, 1, 1]:
+            query w+0: [0, 1, 1, 0]
+            query w+1: [0, 1, 1, 1]
+        """
+        if n == 1 and not padded:
+            return None
+        cols = torch.arange(width + n, device=mask.device)
+        last = width + torch.arange(n, device=mask.device)[:, None]  # [n, 1]
+        visible = (mask[:, None, :] & (cols[None] <= last)) | (cols[None] == last)  # [B, n, w + n]
+        return visible[:, None]
+
+    def __call__(self, ids, mask, positions, kv, keep: int, padded: bool = True) -> torch.Tensor:
+        with torch.no_grad():
+            return self._forward(ids, mask, positions, kv, keep, padded)
+
+    def _forward(self, ids, mask, positions, kv, keep: int, padded: bool) -> torch.Tensor:
+        batch, n = ids.shape
+        x = F.embedding(ids, self.embed)  # [B, n, hidden]
+        cos, sin = self._rope(positions, kv.width + n, x.dtype)  # positions < w + n
+        visible = self.attention_mask(mask, kv.width, n, padded)
+        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, n, 1, head_dim]: broadcast over heads
+        heads = [size // self.head_dim for size in self.layers[0][1].sizes]  # q, k, v heads
+        for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):
+            qkv_out = F.linear(ln1(x), qkv.weight, qkv.bias).view(batch, n, -1, self.head_dim)  # [B, n, H, D]
+            if q_norm is None:  # rotate q and k in one go
+                qk, v = self._rotate(qkv_out[:, :, :-heads[2]], cos, sin), qkv_out[:, :, -heads[2]:]
+                q, k = qk[:, :, :heads[0]], qk[:, :, heads[0]:]
+            else:
+                q, k, v = qkv_out.split(heads, dim=2)
+                q, k = self._rotate(q_norm(q), cos, sin), self._rotate(k_norm(k), cos, sin)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, n, head_dim]
+            keys, values = kv.write(index, k, v)  # [B, kv_heads, w + n, head_dim]
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scaling,
+                                               enable_gqa=keys.shape[1] != q.shape[1])
+            x = x + _linear(a.transpose(1, 2).reshape(batch, n, -1), o_proj)
+            gate, up = gate_up(ln2(x))
+            x = x + _linear(F.silu(gate) * up, down)
+        return _linear(self.norm(x[:, -keep:]), self.head)
+
+
+_LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per model: its fused weights
+
+
+def make_forward(model, kind: str = "auto"):
+    """The forward for `model`: kind "hf", "lean", or "auto" (lean where supported, else hf)."""
+    if kind == "hf":
+        return HFForward(model)
+    if kind == "lean" or (kind == "auto" and lean_unsupported(model) is None):
+        if model not in _LEAN:
+            _LEAN[model] = LeanForward(model)
+        return _LEAN[model]
+    if kind == "auto":
+        return HFForward(model)
+    raise ValueError(f"unknown forward {kind!r}; choose auto, lean or hf")

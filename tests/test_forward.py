@@ -1,0 +1,118 @@
+"""The lean forward computes what the transformers modules compute, on the layouts the engine uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import VOCAB, make_model, prompts
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from batchspec import EngineConfig, ModelPair, SamplingParams, SpecEngine
+from batchspec.core.batch_cache import BatchKV
+from batchspec.core.forward import HFForward, LeanForward, lean_unsupported, make_forward
+from batchspec.core.runner import kv_shape, layout_inputs
+
+
+def model_for(arch: str, dtype=torch.float32):
+    if arch in ("llama", "qwen3", "gpt2"):
+        return make_model(arch, 64, 2, seed=0, dtype=dtype)
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2)
+    if arch == "qwen2":  # biases on q, k, v
+        return Qwen2ForCausalLM(Qwen2Config(**common)).to(dtype).eval()
+    if arch == "mistral":
+        return MistralForCausalLM(MistralConfig(**common, sliding_window=None)).to(dtype).eval()
+    raise ValueError(arch)
+
+
+def run_layout(forward, model, lengths: list[int], extra: int, seed: int = 0):
+    """Prefill left-padded prompts of `lengths` in one call, then feed `extra` more tokens per row in
+    one call: the engine's two shapes of forward (padding inside the fed tail, then a multi-token
+    step over a padded cache). Returns (prefill logits, step logits)."""
+    gen = torch.Generator().manual_seed(seed)
+    layers, heads, head_dim = kv_shape(model)
+    rows, width = len(lengths), max(lengths)
+    capacity = width + extra
+    kv = BatchKV(torch.zeros(layers, 2, heads, rows * capacity, head_dim, dtype=model.dtype), rows, capacity, 0)
+    start = torch.tensor([width - n for n in lengths])
+    ids = torch.randint(0, VOCAB, (rows, width), generator=gen)
+    mask, positions = layout_inputs(start, 0, width)
+    first = forward(ids, mask, positions, kv, width, padded=True)
+    kv.advance(width)
+    more = torch.randint(0, VOCAB, (rows, extra), generator=gen)
+    mask, positions = layout_inputs(start, width, extra)
+    second = forward(more, mask, positions, kv, extra, padded=bool((start > 0).any()))
+    return first, second, start
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
+@pytest.mark.parametrize("lengths,extra", [([5, 1, 9, 3], 4), ([6, 6], 1), ([7], 3)])
+def test_lean_matches_transformers_modules(arch, lengths, extra):
+    model = model_for(arch)
+    assert lean_unsupported(model) is None
+    hf_first, hf_second, start = run_layout(HFForward(model), model, lengths, extra)
+    lean_first, lean_second, _ = run_layout(LeanForward(model), model, lengths, extra)
+    for i, s in enumerate(start.tolist()):  # padding columns' logits are meaningless; content must agree
+        torch.testing.assert_close(lean_first[i, s:], hf_first[i, s:], rtol=1e-5, atol=1e-5)
+        assert torch.equal(lean_first[i, s:].argmax(-1), hf_first[i, s:].argmax(-1))
+    torch.testing.assert_close(lean_second, hf_second, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(lean_second).all()  # no NaN leaks from padding queries through the cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_greedy_tokens_equal_through_either_forward(arch):
+    model = model_for(arch)
+    pair = ModelPair(model, None, None, VOCAB, ())
+    ids = prompts(12, seed=3)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    outs = {}
+    for forward in ("hf", "lean"):
+        engine = SpecEngine(pair, EngineConfig(method="autoregressive", batch_size=5, forward=forward))
+        outs[forward] = [o.token_ids for o in engine.generate(ids, params)]
+    assert outs["lean"] == outs["hf"]
+
+
+def test_attention_mask_example():
+    mask = torch.tensor([[False, True, True, True]])
+    visible = LeanForward.attention_mask(mask, width=2, n=2)
+    assert visible.tolist() == [[[[False, True, True, False], [False, True, True, True]]]]
+    # a padding query (column 0 of a row whose content starts at column 1) still sees itself
+    visible = LeanForward.attention_mask(torch.tensor([[False, True]]), width=0, n=2)
+    assert visible[0, 0].tolist() == [[True, False], [False, True]]
+    assert LeanForward.attention_mask(torch.ones(3, 5, dtype=torch.bool), 4, 1, padded=False) is None
+
+
+def test_forward_choice():
+    gpt2, llama = model_for("gpt2"), model_for("llama")
+    assert "gpt2" in lean_unsupported(gpt2)
+    assert isinstance(make_forward(gpt2, "auto"), HFForward)
+    assert isinstance(make_forward(llama, "auto"), LeanForward)
+    assert isinstance(make_forward(llama, "hf"), HFForward)
+    with pytest.raises(ValueError, match="lean forward does not support"):
+        make_forward(gpt2, "lean")
+    with pytest.raises(ValueError, match="unknown forward"):
+        EngineConfig(forward="fast")
+    torch.manual_seed(0)
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                                sliding_window=16))
+    assert "sliding window" in lean_unsupported(windowed)
+
+
+def test_fused_weights_are_shared_with_the_modules(tmp_path):
+    """The lean forward fuses q/k/v and gate/up without copying: the modules' weights are views
+    into the fused matrices, built once per model however many engines run it, and the model
+    still saves and reloads as before."""
+    model = model_for("llama")
+    attn = model.model.layers[0].self_attn
+    q_before = attn.q_proj.weight.detach().clone()
+    lean = make_forward(model, "auto")
+    assert make_forward(model, "lean") is lean
+    fused = lean.layers[0][1]
+    assert attn.q_proj.weight.data_ptr() == fused.weight.data_ptr()
+    assert attn.k_proj.weight.data_ptr() == fused.weight[fused.sizes[0]:].data_ptr()
+    assert torch.equal(attn.q_proj.weight, q_before)
+    model.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
