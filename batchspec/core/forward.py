@@ -4,9 +4,10 @@ Two implementations behind one call signature, `forward(ids, mask, positions, kv
 
 * `HFForward` calls the model's own `forward` (any architecture transformers can load);
 * `LeanForward` runs Llama-family decoders (Llama, Mistral without a sliding window, Qwen2,
-  Qwen3) straight from the model's own weight tensors: the same operations in the same order,
-  without transformers' per-call machinery (mask factories, output recorders, kwargs plumbing,
-  rotary recomputation), and with q/k/v and gate/up each computed as one matrix product. At
+  Qwen3) straight from the model's own weight tensors: the same arithmetic, without
+  transformers' per-call machinery (mask factories, output recorders, kwargs plumbing, rotary
+  recomputation), with q/k/v and gate/up each computed as one matrix product and q, k rotated
+  together. At
   batch size 1 that machinery is most of a small model's step on a CPU. The weights are the
   model's, not copies (the fused matrices are shared with the modules, whose weights become views
   into them); `tests/test_forward.py` checks both paths give the same logits and greedy tokens.
