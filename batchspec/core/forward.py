@@ -72,7 +72,7 @@ class _Fused:
     """Linears that read the same input (q/k/v, gate/up) as one matrix product.
 
     The modules' own weights become views into the fused weight, so memory is not doubled and the
-    transformers path keeps working on the same numbers. Calling returns the outputs in order."""
+    transformers path keeps working on the same numbers."""
 
     def __init__(self, *linears: torch.nn.Linear) -> None:
         with torch.no_grad():
@@ -89,8 +89,9 @@ class _Fused:
                     lin.bias = torch.nn.Parameter(self.bias[offset:offset + size], lin.bias.requires_grad)
                 offset += size
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """All outputs side by side: [..., sum of out_features]."""
+        return F.linear(x, self.weight, self.bias)
 
 
 class _RMSNorm:
@@ -130,19 +131,20 @@ class LeanForward:
             ))
         first = body.layers[0].self_attn
         self.head_dim, self.scaling = first.head_dim, first.scaling
+        self.heads = [size // self.head_dim for size in self.layers[0][1].sizes]  # q, k, v heads
         self.rotary = body.rotary_emb
         self.cos = self.sin = None  # [P, head_dim] tables over positions 0..P-1, grown on demand
 
     def _rope(self, positions: torch.Tensor, need: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, n, head_dim] for `positions` [B, n] (all below `need`, known from the
-        layout so the device is not asked), from the model's own rotary module."""
+        """cos, sin [B, n, 1, head_dim] (broadcast over heads) for `positions` [B, n], all below
+        `need` (known from the layout, so the device is not asked); from the model's own rotary."""
         if self.cos is None or self.cos.shape[0] < need:
             size = max(need, 2 * (0 if self.cos is None else self.cos.shape[0]), 256)
             span = torch.arange(size, device=positions.device)[None]
             with torch.no_grad():
                 cos, sin = self.rotary(self.embed[:1][None].to(dtype), span)
             self.cos, self.sin = cos[0], sin[0]
-        return self.cos[positions], self.sin[positions]
+        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -176,10 +178,9 @@ class LeanForward:
         x = F.embedding(ids, self.embed)  # [B, n, hidden]
         cos, sin = self._rope(positions, kv.width + n, x.dtype)  # positions < w + n
         visible = self.attention_mask(mask, kv.width, n, padded)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # [B, n, 1, head_dim]: broadcast over heads
-        heads = [size // self.head_dim for size in self.layers[0][1].sizes]  # q, k, v heads
+        heads = self.heads
         for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):
-            qkv_out = F.linear(ln1(x), qkv.weight, qkv.bias).view(batch, n, -1, self.head_dim)  # [B, n, H, D]
+            qkv_out = qkv(ln1(x)).view(batch, n, -1, self.head_dim)  # [B, n, q + k + v heads, D]
             if q_norm is None:  # rotate q and k in one go
                 qk, v = self._rotate(qkv_out[:, :, :-heads[2]], cos, sin), qkv_out[:, :, -heads[2]:]
                 q, k = qk[:, :, :heads[0]], qk[:, :, heads[0]:]
@@ -191,7 +192,7 @@ class LeanForward:
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scaling,
                                                enable_gqa=keys.shape[1] != q.shape[1])
             x = x + _linear(a.transpose(1, 2).reshape(batch, n, -1), o_proj)
-            gate, up = gate_up(ln2(x))
+            gate, up = gate_up(ln2(x)).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, down)
         return _linear(self.norm(x[:, -keep:]), self.head)
 
