@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -32,6 +33,18 @@ SORT = typer.Option(False, "--sort-by-length", help="Admit prompts shortest firs
 FORWARD = typer.Option("auto", "--forward", help="How models run: auto (batchspec's lean forward for Llama-family "
                                                 "models, transformers modules otherwise), lean, hf")
 DRAFTER = typer.Option("draft_model", "--drafter", help="draft_model, or oracle:<p> (synthetic, for overhead studies)")
+REFILL = typer.Option("continuous", "--refill", help="continuous: refill a finished row at the next round; none: "
+                                                     "fixed batches as in the founding paper")
+MAX_KV = typer.Option(None, "--max-kv-tokens", help="KV budget per model in tokens, allocated once [default: room "
+                                                    "for every resident row at full context, at most half the free "
+                                                    "memory]")
+MAX_PREFILL = typer.Option(2048, "--max-prefill-tokens", help="Prompt-token slots per prefill forward (longer prompts "
+                                                              "are prefilled in chunks between decoding rounds)")
+
+
+def engine_options(refill: str, max_kv_tokens: int | None, max_prefill_tokens: int) -> dict:
+    """The serving options every command passes to EngineConfig alike."""
+    return dict(refill=refill, max_kv_tokens=max_kv_tokens, max_prefill_tokens=max_prefill_tokens)
 
 
 def parse_list(text: str, kind=str, name: str = "list") -> list:
@@ -49,13 +62,26 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
-def sampling_params(max_new_tokens, temperature, top_k, top_p, seed, count):
+def sampling_params(max_new_tokens, temperature, top_k, top_p, seed, count, stop=None):
     from .sampling import SamplingParams, request_seed
 
-    base = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    base = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                stop=tuple(stop or ()))
     if seed is None:
         return [SamplingParams(**base)] * count
     return [SamplingParams(**base, seed=request_seed(seed, i)) for i in range(count)]
+
+
+def new_token_counts(spec: str, count: int, seed: int | None) -> list[int]:
+    """"64" -> 64 for every prompt; "8-512" -> a seeded uniform draw in [8, 512] per prompt."""
+    import random
+
+    m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", spec)
+    if m is None or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+        raise ValueError(f"--max-new-tokens takes N or LO-HI (LO <= HI), got {spec!r}")
+    lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+    rng = random.Random(seed or 0)
+    return [rng.randint(lo, hi) for _ in range(count)]
 
 
 def read_prompts(prompt: list[str] | None, prompts: Path | None, num_prompts: int | None) -> list[str]:
@@ -87,6 +113,8 @@ def generate(
     output: Path = typer.Option(None, "--output", help="Write outputs as JSONL"),
     temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
     window: int = WINDOW, sort_by_length: bool = SORT, drafter: str = DRAFTER, forward: str = FORWARD,
+    refill: str = REFILL, max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL,
+    stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable): the text is cut before it"),
     dtype: str = DTYPE, device: str = DEVICE,
     quiet: bool = typer.Option(False, "--quiet", help="Do not print completions"),
 ):
@@ -99,9 +127,10 @@ def generate(
         if num_prompts is None and not prompt and prompts is None:
             num_prompts = 8
         texts = read_prompts(prompt, prompts, num_prompts)
-        params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, len(texts))
+        params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, len(texts), stop)
         config = EngineConfig(method=method, gamma=gamma, batch_size=batch_size, window=window,
-                              sort_by_length=sort_by_length, drafter=drafter, forward=forward)
+                              sort_by_length=sort_by_length, drafter=drafter, forward=forward,
+                              **engine_options(refill, max_kv_tokens, max_prefill_tokens))
         if output is not None and not output.parent.exists():
             raise ValueError(f"output folder {output.parent} does not exist")
         engine = SpecEngine.from_pretrained(target, draft, config, dtype=dtype, device=device)
@@ -122,13 +151,14 @@ def generate(
             for text, out in zip(texts, outs):
                 f.write(json.dumps({"prompt": text, "text": out.text, "token_ids": out.token_ids,
                                     "finish_reason": out.finish_reason}) + "\n")
-    s = engine.stats.summary()
+    run = engine.last_run
+    s = run.summary()
     tokens = sum(len(o.token_ids) for o in outs)
     acc = f"{s['acceptance_rate']:.3f}" if s["acceptance_rate"] is not None else "n/a"
     console.print(f"[bold]{method}[/] bs={batch_size} gamma={gamma if config.speculative else '-'}: "
-                  f"{len(outs)} prompts, {tokens} tokens in {engine.stats.wall:.2f}s = "
-                  f"{tokens / max(engine.stats.wall, 1e-9):.1f} tokens/s, acceptance {acc}, "
-                  f"{s['tokens_per_round']:.2f} tokens/round")
+                  f"{len(outs)} prompts, {tokens} tokens in {run.wall:.2f}s = "
+                  f"{tokens / max(run.wall, 1e-9):.1f} tokens/s, acceptance {acc}, "
+                  f"{s['tokens_per_round']:.2f} tokens/round, peak KV {s['peak_kv_tokens']} tokens")
 
 
 @app.command()
@@ -139,6 +169,7 @@ def verify(
     gamma: int = GAMMA, max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     prompts: Path = PROMPTS, num_prompts: int = typer.Option(16, "--num-prompts"),
     drafter: str = DRAFTER, window: int = WINDOW, forward: str = FORWARD,
+    refill: str = REFILL, max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL,
     hf_check: int = typer.Option(3, "--hf-check", help="Prompts on which the reference is checked against "
                                                         "transformers' generate (0 = skip)"),
     temperature: float = typer.Option(0.0, "--temperature", help="> 0: check the sampling distribution instead"),
@@ -156,10 +187,11 @@ def verify(
     try:
         method_list = parse_list(methods, str, "--methods")
         sizes = parse_list(batch_sizes, int, "--batch-sizes")
+        options = engine_options(refill, max_kv_tokens, max_prefill_tokens)
         for m in method_list:
             for bs in sizes:
                 EngineConfig(method=m, batch_size=bs, gamma=gamma, drafter=drafter,
-                             window=window if m == "exspec" else None, forward=forward)
+                             window=window if m == "exspec" else None, forward=forward, **options)
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
         if samples < 10:
             raise ValueError("--samples must be >= 10")
@@ -169,7 +201,7 @@ def verify(
         ids = [pair.tokenizer(t)["input_ids"] for t in texts]
         config = {"target": pair.target_name, "draft": pair.draft_name, "gamma": gamma, "dtype": dtype,
                   "max_new_tokens": max_new_tokens, "drafter": drafter, "num_prompts": len(ids),
-                  "temperature": temperature, "top_k": top_k, "top_p": top_p, "forward": forward}
+                  "temperature": temperature, "top_k": top_k, "top_p": top_p, "forward": forward, **options}
         if params.greedy:
             ok = _verify_greedy(pair, ids, method_list, sizes, gamma, params, drafter, window, hf_check, config,
                                 json_path)
@@ -179,6 +211,10 @@ def verify(
         fail(str(exc))
     if not ok:
         raise typer.Exit(1)
+
+
+def _options(config: dict) -> dict:
+    return {k: config[k] for k in ("refill", "max_kv_tokens", "max_prefill_tokens")}
 
 
 def _verify_greedy(pair, ids, methods, sizes, gamma, params, drafter, window, hf_check, config, json_path) -> bool:
@@ -193,7 +229,7 @@ def _verify_greedy(pair, ids, methods, sizes, gamma, params, drafter, window, hf
     with progress_bar(tokens=False) as bar:
         task = bar.add_task("verify", total=len(methods) * len(sizes))
         results = run_equivalence(pair, ids, methods, sizes, gamma, params, drafter=drafter, window=window,
-                                  forward=config["forward"], references=refs,
+                                  forward=config["forward"], references=refs, engine_options=_options(config),
                                   on_result=lambda r: bar.update(task, advance=1))
     table = Table(title=f"output equivalence vs target-only greedy (bs=1): {len(ids)} prompts, "
                         f"{params.max_new_tokens} new tokens, dtype {config['dtype']}")
@@ -221,7 +257,7 @@ def _verify_sampling(pair, ids, methods, sizes, gamma, params, samples, seed, co
         for m in methods:
             for bs in sizes:
                 for row in distribution_check(pair, ids, params, method=m, batch_size=bs, gamma=gamma,
-                                              samples=samples, seed=seed):
+                                              samples=samples, seed=seed, engine_options=_options(config)):
                     results.append({"method": m, "batch_size": bs, **row})
                 bar.update(task, advance=1)
     table = Table(title=f"first two sampled tokens vs the target's exact distribution: T={params.temperature}, "
@@ -247,7 +283,11 @@ def bench(
     batch_sizes: str = typer.Option("1,4,8,16,32", "--batch-sizes"),
     gamma: str = typer.Option("5", "--gamma", help="Comma-separated γ values"),
     drafters: str = typer.Option("draft_model", "--drafters", help="Comma-separated: draft_model, oracle:<p>"),
-    max_new_tokens: int = MAX_NEW,
+    max_new_tokens: str = typer.Option("128", "--max-new-tokens", help="Tokens per prompt: N, or LO-HI for a seeded "
+                                                                         "uniform draw per prompt (a mixed workload)"),
+    refill: str = typer.Option("continuous", "--refill", help="Comma-separated: continuous, none (the paper's fixed "
+                                                              "batches)"),
+    max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL,
     peers: str = typer.Option("", "--peers", help="'hf' adds transformers generate / assisted generation"),
     repeat: int = typer.Option(1, "--repeat", help="Timed rounds per cell (interleaved); medians are reported"),
     temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
@@ -286,13 +326,18 @@ def bench(
         if not all(re.fullmatch(r"[1-9][0-9]*x?", w) for w in windows):
             raise ValueError(f"--window takes sizes like 64 or multiples like 4x, got {window!r}")
         forward_list = parse_list(forward, str, "--forward")
+        refills = parse_list(refill, str, "--refill")
+        options = dict(max_kv_tokens=max_kv_tokens, max_prefill_tokens=max_prefill_tokens)
         for m in method_list:
             for bs in sizes:
                 for g in gammas:
                     for f in forward_list:
-                        EngineConfig(method=m, batch_size=bs, gamma=g, forward=f)
+                        for r in refills:
+                            EngineConfig(method=m, batch_size=bs, gamma=g, forward=f, refill=r, **options)
         texts = read_prompts(None, prompts, num_prompts)
-        params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, len(texts))
+        params = [replace(p, max_new_tokens=n) for p, n in
+                  zip(sampling_params(1, temperature, top_k, top_p, seed, len(texts)),
+                      new_token_counts(max_new_tokens, len(texts), seed))]
         needs_draft = peers == "hf" or ("draft_model" in drafter_list and any(m != "autoregressive"
                                                                               for m in method_list))
         pair = load_pair(target, draft, dtype=dtype, device=device, need_draft=needs_draft)
@@ -310,7 +355,7 @@ def bench(
 
             report = run_bench(pair, ids, params, methods=method_list, batch_sizes=sizes, gammas=gammas,
                                drafters=drafter_list, peers=peers == "hf", repeat=repeat, windows=windows,
-                               forwards=forward_list,
+                               forwards=forward_list, refills=refills, engine_options=options,
                                sort_by_length=sort_by_length, profile=profile, progress=step)
     except ValueError as exc:
         fail(str(exc))

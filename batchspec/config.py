@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 METHODS = ("autoregressive", "eqspec", "exspec")
 FORWARDS = ("auto", "lean", "hf")
+REFILLS = ("continuous", "none")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,15 @@ class EngineConfig:
     forward       how models run: "auto" (batchspec's lean forward for Llama-family models, the
                   transformers modules otherwise), "lean" (require it) or "hf" (always the modules);
                   see batchspec.core.forward.
+    refill        "continuous": a freed row is refilled from the queue at the next round boundary
+                  (every method); "none": the founding paper's fixed batches, the next requests are
+                  admitted only when the whole batch (exspec: the whole window) has finished.
+    max_kv_tokens KV budget in tokens per model, allocated once at start-up; None: as many as the
+                  resident rows can use at full context, capped at half the free memory. Requests
+                  wait when admitting them would exceed it; a running request that cannot grow is
+                  preempted (its KV dropped and recomputed later).
+    max_prefill_tokens  at most this many prompt-token slots (rows x width) per prefill forward;
+                  longer prompts are prefilled in chunks interleaved with decoding rounds.
     debug         check the batch layout invariants after every alignment (slow).
     profile       synchronise the device at stage boundaries so stage timers are exact on CUDA.
     """
@@ -35,6 +45,9 @@ class EngineConfig:
     drafter: str = "draft_model"
     block_size: int = 16
     forward: str = "auto"
+    refill: str = "continuous"
+    max_kv_tokens: int | None = None
+    max_prefill_tokens: int = 2048
     debug: bool = False
     profile: bool = False
 
@@ -54,6 +67,12 @@ class EngineConfig:
             raise ValueError(f"unknown forward {self.forward!r}; choose one of {', '.join(FORWARDS)}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.refill not in REFILLS:
+            raise ValueError(f"unknown refill {self.refill!r}; choose one of {', '.join(REFILLS)}")
+        if self.max_kv_tokens is not None and (not isinstance(self.max_kv_tokens, int) or self.max_kv_tokens < 1):
+            raise ValueError(f"max_kv_tokens must be a positive integer (tokens per model), got {self.max_kv_tokens!r}")
+        if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be a positive integer, got {self.max_prefill_tokens!r}")
 
     @property
     def speculative(self) -> bool:

@@ -1,25 +1,40 @@
-"""The user-facing engine: `generate()` for offline batches, `add_request()`/`step()` underneath.
+"""The user-facing engine: `generate()` and `stream()` for offline work, `add_request()` / `step()`
+/ `abort()` underneath, which is what a server drives.
 
-Requests join and leave between rounds: each `step()` admits what the scheduler lets in
-(prefilling both models), runs one round on the chosen batch and retires finished requests.
+Each `step()` is one round boundary and does, in order:
+    1. take in requests added and aborts asked for since the last step (from any thread);
+    2. admit waiting requests while the KV budget has room (the scheduler's policy);
+    3. run one prefill chunk (at most `max_prefill_tokens` slots) for requests still prefilling;
+    4. make room for the decoding batch's next round, preempting the newest requests if needed;
+    5. run one draft-and-verify round on the batch;
+    6. report every request that advanced or ended: its new token ids and text, and how it ended.
+
+Threads: `add_request()` and `abort()` may be called from any thread; they queue work that the
+next `step()` takes in. `step()`, `generate()` and `stream()` belong to one thread, the one that
+owns the models.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 
 import torch
 
 from .config import EngineConfig
-from .core.request import FinishReason, Output, Request
-from .core.runner import ModelRunner
+from .core.detok import TextStream
+from .core.request import FinishReason, Output, Request, StepOutput
+from .core.runner import ModelRunner, kv_shape
 from .core.stats import RunStats, StageTimer
 from .decode import run_round
 from .drafters import make_drafter, parse_drafter
-from .models import ModelPair, context_length, load_pair
+from .models import ModelPair, context_length
 from .sampling import SamplingParams, make_generator
-from .sched import make_scheduler
+from .sched import make_scheduler, plan_prefill
+
+KV_MEMORY_FRACTION = 0.5  # of the memory free at start-up, when no --max-kv-tokens is given
 
 
 class SpecEngine:
@@ -28,39 +43,46 @@ class SpecEngine:
     >>> engine = SpecEngine.from_pretrained()                       # the bundled pair
     >>> outs = engine.generate(["def add(a, b):\\n"], SamplingParams(max_new_tokens=32))
     >>> outs[0].text, outs[0].finish_reason, outs[0].stats.acceptance_rate
+    >>> for out in engine.stream(["class Stack:\\n"]):               # per-round text as it is verified
+    ...     print(out.new_text, end="")
     """
 
     def __init__(self, pair: ModelPair, config: EngineConfig | None = None) -> None:
-        self.config = config or EngineConfig()
+        self.config = cfg = config or EngineConfig()
         self.pair = pair
-        drafter_name, _ = parse_drafter(self.config.drafter)
-        if self.config.speculative and drafter_name == "draft_model" and pair.draft is None:
-            raise ValueError(f"method {self.config.method!r} needs a draft model")
+        drafter_name, _ = parse_drafter(cfg.drafter)
+        if cfg.speculative and drafter_name == "draft_model" and pair.draft is None:
+            raise ValueError(f"method {cfg.method!r} needs a draft model")
         self.device = pair.target.device
-        self.timer = StageTimer(self.device, sync=self.config.profile)
-        cfg = self.config
-        self.target = ModelRunner(pair.target, "target", pair.vocab_size, cfg.block_size, self.timer, cfg.debug,
-                                  cfg.forward)
-        self.draft_runner = None
-        if cfg.speculative and pair.draft is not None:
-            self.draft_runner = ModelRunner(pair.draft, "draft", pair.vocab_size, cfg.block_size, self.timer,
-                                            cfg.debug, cfg.forward)
-        self.context = min(c for c in (context_length(pair.target),
-                                       context_length(pair.draft) if self.draft_runner else None,
+        self.timer = StageTimer(self.device, sync=cfg.profile)
+        self.context = min(c for c in (context_length(pair.target), context_length(pair.draft) if pair.draft else None,
                                        10**9) if c is not None)
-        self.stats = RunStats()
-        self.drafter = None
+        draft_model = pair.draft if cfg.speculative else None
+        self.kv_tokens = cfg.max_kv_tokens or self._default_kv_tokens(pair.target, draft_model)
+        runner = dict(vocab_size=pair.vocab_size, block_size=cfg.block_size, timer=self.timer, debug=cfg.debug,
+                      forward=cfg.forward, kv_tokens=self.kv_tokens)
+        self.target = ModelRunner(pair.target, "target", **runner)
+        self.draft_runner = ModelRunner(draft_model, "draft", **runner) if draft_model is not None else None
+        self.stats = RunStats()  # the engine's whole life
+        self.last_run: RunStats | None = None  # the last generate() / stream() call's own numbers
+        self._runs: list[RunStats] = []  # open generate() / stream() calls
+        self._lock = threading.Lock()
+        self._inbox: list[tuple[str, Request | int]] = []
         self._next_id = 0
-        self._requests: dict[int, Request] = {}
+        self._requests: dict[int, Request] = {}  # taken in and not yet ended
+        self._stashed: list[StepOutput] = []  # other requests' outputs drawn by stream(): the next step() returns them
         self.scheduler = make_scheduler(cfg)
-        if cfg.speculative and drafter_name == "draft_model":
+        self.drafter = None
+        if cfg.speculative:
             self.drafter = make_drafter(cfg.drafter, draft_runner=self.draft_runner, device=self.device,
-                                        vocab_size=pair.vocab_size)
+                                        vocab_size=pair.vocab_size, compute_reference=self._oracle_reference)
 
     @classmethod
     def from_pretrained(cls, target: str | None = None, draft: str | None = None,
                         config: EngineConfig | None = None, *, dtype: str | None = None,
                         device: str | None = None) -> SpecEngine:
+        from .models import load_pair
+
         config = config or EngineConfig()
         needs_draft = config.speculative and parse_drafter(config.drafter)[0] == "draft_model"
         pair = load_pair(target, draft, dtype=dtype, device=device, need_draft=needs_draft)
@@ -70,14 +92,32 @@ class SpecEngine:
     def gamma(self) -> int:
         return self.config.gamma if self.config.speculative else 0
 
+    def _default_kv_tokens(self, target, draft) -> int:
+        """Room for every resident row at full context, capped at a share of the free memory."""
+        per_token = sum(_kv_bytes_per_token(m) for m in (target, draft) if m is not None)
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        cap = self.config.effective_window * (self.context + self.gamma + 1)
+        return max(self.config.block_size, min(cap, int(KV_MEMORY_FRACTION * free / per_token)))
+
     # ----------------------------------------------------------------------------- requests
-    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int], add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids of a prompt. Text gets the tokenizer's special tokens (BOS) unless it already
+        starts with the BOS text (e.g. it went through a chat template) or `add_special_tokens` is False."""
         if isinstance(prompt, str):
-            if self.pair.tokenizer is None:
+            tok = self.pair.tokenizer
+            if tok is None:
                 raise ValueError("this engine has no tokenizer; pass prompts as lists of token ids")
             if not prompt:
                 raise ValueError("empty prompt")
-            return list(self.pair.tokenizer(prompt)["input_ids"])
+            if add_special_tokens is None:
+                bos = getattr(tok, "bos_token", None)
+                add_special_tokens = not (bos and prompt.startswith(bos))
+            return list(tok(prompt, add_special_tokens=add_special_tokens)["input_ids"])
         ids = [int(t) for t in prompt]
         if any(not 0 <= t < self.pair.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {self.pair.vocab_size})")
@@ -96,11 +136,20 @@ class SpecEngine:
                 f"it needs {need} positions but the model context is {self.context}; shorten the prompt or "
                 "lower max_new_tokens"
             )
+        if -(-need // self.config.block_size) * self.config.block_size > self.kv_tokens:
+            raise ValueError(f"{where} needs up to {need} KV tokens (prompt {len(ids)} + max_new_tokens "
+                             f"{params.max_new_tokens} + gamma {self.gamma}) but the KV budget is {self.kv_tokens} "
+                             "tokens; raise --max-kv-tokens or lower max_new_tokens")
+        if params.stop and self.pair.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+        if self.drafter is not None and getattr(self.drafter, "synthetic", False) and not params.greedy:
+            raise ValueError("the oracle drafter proposes the target's greedy output; use temperature 0")
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> int:
-        """Queue one request; returns its id. It joins a batch at a later `step()`."""
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    add_special_tokens: bool | None = None) -> int:
+        """Queue one request (from any thread); returns its id. It is taken in at the next `step()`."""
         params = params or SamplingParams()
-        ids = self.encode(prompt)
+        ids = self.encode(prompt, add_special_tokens)
         self.check_request(ids, params)
         return self._add(ids, params, prompt if isinstance(prompt, str) else None)
 
@@ -108,68 +157,205 @@ class SpecEngine:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.pair.eos_token_ids)
-        req = Request(self._next_id, list(ids), params, frozenset(stop), prompt=text,
-                      generator=None if params.greedy else make_generator(params.seed))
-        self._next_id += 1
-        self._requests[req.index] = req
-        self.scheduler.add(req)
+        tok = self.pair.tokenizer
+        with self._lock:
+            req = Request(self._next_id, list(ids), params, frozenset(stop), prompt=text,
+                          generator=None if params.greedy else make_generator(params.seed),
+                          text=TextStream(tok, params.stop) if tok is not None else None)
+            self._next_id += 1
+            self._inbox.append(("add", req))
         return req.index
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
-
     def abort(self, rid: int) -> None:
-        """Drop a request (e.g. its client went away), freeing its KV."""
-        req = self._requests.pop(rid, None)
-        if req is not None:
-            self.scheduler.finish(req)
-            self._release(req)
+        """End a request (from any thread; e.g. its client went away). It takes effect at the next
+        round boundary: the request's KV is freed in both models and `step()` reports it once,
+        with finish_reason "abort". Ids that already ended are ignored."""
+        with self._lock:
+            self._inbox.append(("abort", rid))
+
+    def has_unfinished(self) -> bool:
+        """Whether `step()` has anything to do or report."""
+        return bool(self._inbox or self._requests or self._stashed)
+
+    def num_waiting(self) -> int:
+        return len(self.scheduler) + sum(1 for kind, _ in self._inbox if kind == "add")
+
+    def num_running(self) -> int:
+        return len(self.scheduler.resident)
+
+    def kv_tokens_in_use(self) -> int:
+        return self.target.store.tokens_in_use()
 
     # ----------------------------------------------------------------------------- rounds
-    def step(self) -> list[Output]:
-        """Admit, run one round, retire. Returns the outputs of requests that finished."""
-        admit, batch = self.scheduler.schedule()
-        done = [r for r in admit if r.remaining <= 0]
-        for r in done:
-            r.finish_reason = FinishReason.LENGTH
-        admit = [r for r in admit if not r.finished]
-        if admit:
-            self._prefill(admit)
-        batch = [r for r in batch if not r.finished]
+    def step(self) -> list[StepOutput]:
+        """One round boundary (see the module docstring). Returns a StepOutput for every request
+        that produced tokens or ended in this step."""
+        start, stage_start = time.perf_counter(), dict(self.timer.totals)
+        stats = RunStats()
+        outputs, self._stashed = self._stashed, []
+        ended = self._take_inbox(stats)
+        self.scheduler.admit(self._try_admit)
+        prefilling = [r for r in self.scheduler.resident if not r.prefilled]
+        if prefilling:
+            self._prefill(prefilling, stats)
+        batch = self._make_room(self.scheduler.next_batch(), stats)
         if batch:
-            run_round(self, batch)
-        finished = done + [r for r in batch if r.finished]
-        outputs = []
-        for r in finished:
-            self.scheduler.finish(r)
-            self._release(r)
-            self._requests.pop(r.index, None)
-            outputs.append(self._output(r))
+            run_round(self, batch, stats)
+        stats.peak_kv_tokens = self.kv_tokens_in_use()
+        outputs.extend(self._report(r) for r in batch)
+        for r in batch:
+            if r.finished:
+                self._end(r)
+        outputs.extend(self._report(r) for r in ended)
+        stats.finished = sum(1 for o in outputs if o.finished)
+        stats.wall = time.perf_counter() - start
+        stats.stage_time = self.timer.since(stage_start)
+        for sink in (self.stats, *self._runs):
+            sink.merge(stats)
         return outputs
 
-    def _prefill(self, reqs: list[Request]) -> None:
-        with self.timer.stage("verify"):
-            tail = self.target.begin(reqs, leave=1)
+    def _take_inbox(self, stats: RunStats) -> list[Request]:
+        """Take in queued requests and aborts; returns the requests that ended here."""
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        ended = []
+        for kind, item in inbox:
+            if kind == "add":
+                self._requests[item.index] = item
+                if item.remaining <= 0:  # max_new_tokens = 0
+                    item.finish_reason = FinishReason.LENGTH
+                    self._requests.pop(item.index)
+                    ended.append(item)
+                else:
+                    self.scheduler.add(item)
+            elif (req := self._requests.get(item)) is not None:
+                req.finish_reason = FinishReason.ABORT
+                stats.aborted += 1
+                self._end(req)
+                ended.append(req)
+        return ended
+
+    def _try_admit(self, req: Request) -> bool:
+        """Admit `req` if both models have room for its tokens plus one round (and a block of
+        headroom per resident row, so admissions do not force preemptions at once); reserves it."""
+        need = req.num_tokens + self.gamma + 1
+        headroom = len(self.scheduler.resident) * self.config.block_size
+        runners = [r for r in (self.target, self.draft_runner) if r is not None]
+        if not all(r.can_reserve(req, need + headroom) for r in runners):
+            return False
+        for r in runners:
+            r.reserve(req, req.num_tokens)
+        return True
+
+    def _prefill(self, reqs: list[Request], stats: RunStats) -> None:
+        """One prefill chunk: at most max_prefill_tokens slots (rows x width) of prompt tokens."""
+        todo = [r.num_tokens - 1 - r.kv_len.get("target", 0) for r in reqs]
+        chunk = plan_prefill(todo, self.config.max_prefill_tokens)
+        rows = [(r, r.kv_len.get("target", 0) + n) for r, n in zip(reqs, chunk) if n > 0]
+        reqs, ends = [r for r, _ in rows], [e for _, e in rows]
+        with self.timer.stage("prefill"):
+            tail = self.target.begin(reqs, ends=ends)
             if tail > 0:
                 self.target.feed(keep=1)
             self.target.commit(reqs, [tail - cp for cp in self.target.layout.tail_pad])
-        if self.drafter is not None:
-            with self.timer.stage("draft"):
-                self.drafter.admit(reqs)
+            if self.drafter is not None:
+                self.drafter.prefill(reqs, ends)
+        stats.prefill_forwards += 1
+        stats.prefill_tokens += sum(chunk)
+
+    def _make_room(self, batch: list[Request], stats: RunStats) -> list[Request]:
+        """Reserve KV for one more round of every batch row (committed + 1 + γ tokens). When the
+        budget is short, the most recently admitted resident requests are preempted: their KV is
+        dropped and they wait, ahead of everyone, to be recomputed."""
+        runners = [r for r in (self.target, self.draft_runner) if r is not None]
+        kept = []
+        for req in batch:
+            if req.finished or req not in self.scheduler.resident:
+                continue
+            need = req.num_tokens + self.gamma
+            while not all(r.can_reserve(req, need) for r in runners):
+                victim = self.scheduler.resident[-1]
+                self._preempt(victim, stats)
+                if victim is req:
+                    break
+            else:
+                for r in runners:
+                    r.reserve(req, need)
+                kept.append(req)
+        return [r for r in kept if r in self.scheduler.resident]
+
+    def _preempt(self, req: Request, stats: RunStats) -> None:
+        self._release(req)
+        self.scheduler.preempt(req)
+        req.stats.preempted += 1
+        stats.preemptions += 1
 
     def _release(self, req: Request) -> None:
         self.target.release(req)
         if self.drafter is not None:
             self.drafter.release(req)
+        req.kv_len.clear()
+
+    def _end(self, req: Request) -> None:
+        self.scheduler.finish(req)
+        self._release(req)
+        self._requests.pop(req.index, None)
+
+    def _report(self, req: Request) -> StepOutput:
+        new = req.output_ids[req.reported:]
+        req.reported += len(new)
+        text = req.text.take(final=req.finished) if req.text is not None else None
+        return StepOutput(req.index, new, text, req.finish_reason.value if req.finished else None,
+                          self._output(req) if req.finished else None)
 
     def _output(self, req: Request) -> Output:
-        tok = self.pair.tokenizer
-        text = tok.decode(req.output_ids, skip_special_tokens=True) if tok is not None else None
         return Output(index=req.index, prompt=req.prompt, prompt_token_ids=req.token_ids[: req.prompt_len],
-                      token_ids=list(req.output_ids), text=text, finish_reason=req.finish_reason.value,
-                      stats=req.stats)
+                      token_ids=list(req.output_ids), text=req.text.text if req.text is not None else None,
+                      finish_reason=req.finish_reason.value, stats=req.stats)
 
     # ----------------------------------------------------------------------------- offline
+    def stream(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        references: Mapping[tuple[int, ...], list[int]] | None = None,
+    ) -> Iterator[StepOutput]:
+        """Run `prompts` to completion, yielding each round's StepOutput for them as it happens
+        (`index`, here and in the final `output`, is the position in `prompts`). Requests queued
+        earlier with `add_request()` keep running alongside; their outputs are kept for the next
+        `step()`. Closing the iterator early aborts the prompts not yet finished. `last_run`
+        holds this call's statistics."""
+        encoded, params = self._prepare(prompts, params, references)
+        run = RunStats()
+        self._runs.append(run)
+        start = time.perf_counter()
+        ids = [self._add(ids, sp, p if isinstance(p, str) else None) for ids, sp, p in zip(encoded, params, prompts)]
+        position = {rid: i for i, rid in enumerate(ids)}
+        open_ids, others = set(ids), []
+        try:
+            while open_ids:
+                outs = self.step()
+                if not outs and not self.has_unfinished():
+                    raise RuntimeError("the engine stopped with requests unfinished; this is a bug")
+                for out in outs:
+                    if out.index not in position:
+                        others.append(out)
+                        continue
+                    if out.finished:
+                        open_ids.discard(out.index)
+                    i = position[out.index]
+                    yield replace(out, index=i, output=replace(out.output, index=i) if out.output else None)
+        finally:
+            for rid in open_ids:  # closed early: the aborts take effect at the next step()
+                self.abort(rid)
+            self._runs.remove(run)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            run.wall = time.perf_counter() - start
+            self.last_run = run
+            self._stashed = others + self._stashed
+
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],
@@ -182,8 +368,18 @@ class SpecEngine:
 
         All prompts are validated before anything runs. `references` (prompt ids -> target-only
         greedy output) feed the synthetic oracle drafter; without them it computes its own.
-        `progress(n_tokens)` is called as tokens are produced.
+        `progress(n_tokens)` is called as each prompt finishes. Requests queued earlier with
+        `add_request()` keep running; their outputs come from the next `step()`.
         """
+        results: list[Output | None] = [None] * len(prompts)
+        for out in self.stream(prompts, params, references=references):
+            if out.finished:
+                results[out.index] = out.output
+                if progress is not None:
+                    progress(len(out.output.token_ids))
+        return results
+
+    def _prepare(self, prompts, params, references) -> tuple[list[list[int]], list[SamplingParams]]:
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -191,40 +387,33 @@ class SpecEngine:
         encoded = [self.encode(p) for p in prompts]
         for i, (ids, sp) in enumerate(zip(encoded, params)):
             self.check_request(ids, sp, where=f"prompt {i}")
-        if self.config.speculative and parse_drafter(self.config.drafter)[0] == "oracle":
-            self._make_oracle(encoded, params, references)
+        if self.drafter is not None and getattr(self.drafter, "synthetic", False):
+            self._oracle_references(encoded, params, references)
+        return encoded, list(params)
 
-        self.stats = RunStats()
-        self.timer.reset()
-        start = time.perf_counter()
-        first = self._next_id
-        for ids, sp, p in zip(encoded, params, prompts):
-            self._add(ids, sp, p if isinstance(p, str) else None)
-        results: dict[int, Output] = {}
-        while self.has_unfinished():
-            for out in self.step():
-                results[out.index] = out
-                if progress is not None:
-                    progress(len(out.token_ids))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.stats.wall = time.perf_counter() - start
-        self.stats.stage_time = dict(self.timer.totals)
-        return [results[first + i] for i in range(len(prompts))]
-
-    def _make_oracle(self, encoded, params, references) -> None:
-        """Give the synthetic oracle drafter the target-only greedy output of every prompt."""
-        if any(not p.greedy for p in params):
-            raise ValueError("the oracle drafter proposes the target's greedy output; use temperature 0")
-        if self.drafter is None:
-            self.drafter = make_drafter(self.config.drafter, draft_runner=self.draft_runner, device=self.device,
-                                        vocab_size=self.pair.vocab_size, references={})
+    # ----------------------------------------------------------------------------- oracle drafter
+    def _oracle_references(self, encoded, params, references) -> None:
+        """Give the synthetic oracle drafter the target-only greedy output of every prompt, computed
+        together in one batch (requests added with `add_request()` get theirs one by one)."""
         refs = self.drafter.references
         refs.update(references or {})
         missing = [ids for ids in encoded if tuple(ids) not in refs]
         if missing:
-            baseline = SpecEngine(self.pair, EngineConfig(method="autoregressive",
-                                                          batch_size=self.config.batch_size))
             sp = SamplingParams(max_new_tokens=max(p.max_new_tokens for p in params))
-            for ids, out in zip(missing, baseline.generate(missing, sp)):
+            for ids, out in zip(missing, self._baseline().generate(missing, sp)):
                 refs[tuple(ids)] = out.token_ids
+
+    def _oracle_reference(self, req: Request) -> list[int]:
+        prompt = req.token_ids[: req.prompt_len]
+        sp = SamplingParams(max_new_tokens=req.params.max_new_tokens, stop_token_ids=req.params.stop_token_ids,
+                            ignore_eos=req.params.ignore_eos)
+        return self._baseline().generate([prompt], sp)[0].token_ids
+
+    def _baseline(self) -> SpecEngine:
+        return SpecEngine(self.pair, EngineConfig(method="autoregressive", batch_size=self.config.batch_size,
+                                                  forward=self.config.forward, max_kv_tokens=self.kv_tokens))
+
+
+def _kv_bytes_per_token(model) -> int:
+    layers, heads, head_dim = kv_shape(model)
+    return layers * 2 * heads * head_dim * torch.empty(0, dtype=model.dtype).element_size()

@@ -78,8 +78,10 @@ def run_equivalence(
     forward: str = "auto",
     references: list[list[int]] | None = None,
     on_result: Callable[[dict], None] | None = None,
+    engine_options: dict | None = None,
 ) -> list[dict]:
-    """Compare every method x batch size with the reference; one result dict per cell."""
+    """Compare every method x batch size with the reference; one result dict per cell.
+    `engine_options` (refill, max_kv_tokens, max_prefill_tokens) go to every EngineConfig."""
     if not params.greedy:
         raise ValueError("output equivalence is defined for greedy decoding (temperature 0)")
     references = references if references is not None else reference_outputs(pair, prompts, params, forward)
@@ -88,11 +90,12 @@ def run_equivalence(
     for method in methods:
         for bs in batch_sizes:
             config = EngineConfig(method=method, batch_size=bs, gamma=gamma, drafter=drafter,
-                                  window=window if method == "exspec" else None, forward=forward)
+                                  window=window if method == "exspec" else None, forward=forward,
+                                  **(engine_options or {}))
             engine = SpecEngine(pair, config)
             outs = engine.generate(prompts, params, references=ref_map)
             exact, partial = match_scores([o.token_ids for o in outs], references)
-            summary = engine.stats.summary()
+            summary = engine.last_run.summary()
             row = {
                 "method": method, "batch_size": bs, "num_prompts": len(prompts), "exact_match": exact,
                 "partial_match": partial, "gamma": gamma if config.speculative else None,
@@ -140,7 +143,7 @@ def exact_first_two(pair: ModelPair, prompt: list[int], params: SamplingParams, 
 
 def distribution_check(pair: ModelPair, prompts: list[list[int]], params: SamplingParams, *, method: str,
                        batch_size: int, gamma: int, samples: int = 2000, top: int = 6, delta: float = 1e-3,
-                       seed: int = 0) -> list[dict]:
+                       seed: int = 0, engine_options: dict | None = None) -> list[dict]:
     """Sample the first two tokens `samples` times per prompt with a speculative method and compare
     their empirical distribution with the target's exact one.
 
@@ -156,7 +159,7 @@ def distribution_check(pair: ModelPair, prompts: list[list[int]], params: Sampli
 
     if params.greedy:
         raise ValueError("the distribution check needs --temperature > 0")
-    engine = SpecEngine(pair, EngineConfig(method=method, batch_size=batch_size, gamma=gamma))
+    engine = SpecEngine(pair, EngineConfig(method=method, batch_size=batch_size, gamma=gamma, **(engine_options or {})))
     rows = []
     for k, prompt in enumerate(prompts):
         exact = exact_first_two(pair, prompt, params, top)
@@ -178,5 +181,5 @@ def distribution_check(pair: ModelPair, prompts: list[list[int]], params: Sampli
         p_value = float(chisquare(obs, [e * scale for e in exp]).pvalue) if len(obs) > 1 else 1.0
         rows.append({"prompt": k, "samples": samples, "bins": len(keys), "distance": distance, "bound": bound,
                      "p_value": p_value, "passed": distance <= bound,
-                     "acceptance_rate": engine.stats.summary()["acceptance_rate"]})
+                     "acceptance_rate": engine.last_run.summary()["acceptance_rate"]})
     return rows

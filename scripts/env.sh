@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project's virtual environment in .venv. Sourced by demo.sh and test.sh.
 # torch is pinned first: on a machine without CUDA, torch==2.13.0 resolves to the CPU build, and
-# the project's own "torch>=2.4" is then already satisfied (no CUDA wheels are pulled).
+# the project's own "torch>=2.5" is then already satisfied (no CUDA wheels are pulled).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"

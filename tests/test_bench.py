@@ -46,7 +46,7 @@ def test_json_schema(report):
 def test_time_shares_sum_to_one(report):
     for r in report["results"]:
         if r.get("time_share") is not None:
-            assert set(r["time_share"]) == {"draft", "verify", "align", "other"}
+            assert set(r["time_share"]) == {"prefill", "draft", "verify", "align", "other"}
             assert sum(r["time_share"].values()) == pytest.approx(1.0)
             assert all(v >= 0 for v in r["time_share"].values())
             if r["method"] == "autoregressive":

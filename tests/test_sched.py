@@ -51,12 +51,14 @@ def _windows(lengths, k):
 
 
 class Req:
+    prefilled = True
+
     def __init__(self, index, n):
         self.index, self.num_tokens = index, n
 
 
-def test_static_batches_admit_only_when_empty():
-    s = StaticBatcher(2)
+def test_fixed_batches_admit_only_when_empty():
+    s = StaticBatcher(2, refill="none")
     reqs = [Req(i, 10 - i) for i in range(5)]
     for r in reqs:
         s.add(r)

@@ -12,14 +12,19 @@ from .runner import Bench, Cell, measure_costs, plan, summarize
 
 
 def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, gammas, drafters=("draft_model",),
-              peers: bool = False, repeat: int = 1, windows=("4x",), forwards=("auto",), sort_by_length=False,
-              profile=False, progress=None) -> dict:
+              peers: bool = False, repeat: int = 1, windows=("4x",), forwards=("auto",), refills=("continuous",),
+              sort_by_length=False, profile=False, progress=None, engine_options: dict | None = None) -> dict:
     """Run the grid and return the JSON-ready report: {machine, config, notes, results}."""
     cells, notes = plan(list(methods), list(batch_sizes), list(gammas), list(drafters), peers, list(windows),
-                        list(forwards))
-    bench = Bench(pair, prompts, params, sort_by_length=sort_by_length, profile=profile, progress=progress)
+                        list(forwards), list(refills))
+    new_tokens = sorted({p.max_new_tokens for p in params})
+    if peers and len(new_tokens) > 1:
+        raise ValueError("the transformers peers take one max_new_tokens for a whole batch; drop --peers with a "
+                         "range of --max-new-tokens")
+    bench = Bench(pair, prompts, params, sort_by_length=sort_by_length, profile=profile, progress=progress,
+                  engine_options=engine_options)
     runs = bench.measure(cells, repeat)
-    context = int(mean(len(p) for p in prompts) + params[0].max_new_tokens / 2)
+    context = int(mean(len(p) for p in prompts) + mean(new_tokens) / 2)
     if progress:
         progress("measuring step costs", 1, 1)
     costs = measure_costs(pair, cells, context)
@@ -38,11 +43,13 @@ def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, g
         "target": pair.target_name, "draft": pair.draft_name, "dtype": str(pair.target.dtype).replace("torch.", ""),
         "num_prompts": len(prompts),
         "prompt_tokens": {"min": min(lengths), "mean": mean(lengths), "max": max(lengths)},
-        "max_new_tokens": params[0].max_new_tokens,
+        "max_new_tokens": params[0].max_new_tokens if len(new_tokens) == 1 else
+                          {"min": new_tokens[0], "mean": mean(p.max_new_tokens for p in params), "max": new_tokens[-1]},
         "temperature": params[0].temperature, "top_k": params[0].top_k, "top_p": params[0].top_p,
         "methods": list(methods), "batch_sizes": list(batch_sizes), "gammas": list(gammas),
         "drafters": list(drafters), "peers": ["hf_generate", "hf_assisted"] if peers else [], "repeat": repeat,
-        "windows": list(windows), "forwards": list(forwards),
+        "windows": list(windows), "forwards": list(forwards), "refills": list(refills),
+        **(engine_options or {}),
         "auto_forward": {name: "lean" if lean_unsupported(m) is None else f"hf ({lean_unsupported(m)})"
                          for name, m in (("target", pair.target), ("draft", pair.draft)) if m is not None},
         "sort_by_length": sort_by_length, "profile_sync": profile and device.type == "cuda",

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-STAGE_COLORS = {"draft": "#4c72b0", "verify": "#dd8452", "align": "#c44e52", "other": "#8c8c8c"}
+STAGE_COLORS = {"prefill": "#55a868", "draft": "#4c72b0", "verify": "#dd8452", "align": "#c44e52", "other": "#8c8c8c"}
 
 
 def series_name(row: dict) -> str:
@@ -89,7 +89,7 @@ def plot_all(results: list[dict], out_dir: str | Path, title: str = "") -> list[
         labels = [f"{series_name(r)}\nbs={r['batch_size']}" for r in timed]
         bottom = [0.0] * len(timed)
         for stage, color in STAGE_COLORS.items():
-            vals = [r["time_share"][stage] for r in timed]
+            vals = [r["time_share"].get(stage, 0.0) for r in timed]
             ax.bar(range(len(timed)), vals, bottom=bottom, color=color, label=stage)
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.set_xticks(range(len(timed)))

@@ -9,11 +9,12 @@ def _x(value, fmt="{:.2f}", suffix="") -> str:
 
 def markdown_table(results: list[dict]) -> str:
     head = ("| method | drafter | bs | γ | tokens/s (min–max) | speedup | vs bs1 | vs hf_generate | vs hf_assisted "
-            "| accept | tok/round | draft/verify/align/other % | ideal | efficiency | peak MB |")
+            "| accept | tok/round | prefill/draft/verify/align/other % | ideal | efficiency | peak MB |")
     lines = [head, "|" + "|".join(["---"] * 15) + "|"]
     for r in results:
         share = r.get("time_share")
-        shares = "/".join(f"{100 * share[k]:.0f}" for k in ("draft", "verify", "align", "other")) if share else "-"
+        stages = ("prefill", "draft", "verify", "align", "other")
+        shares = "/".join(f"{100 * share.get(k, 0.0):.0f}" for k in stages) if share else "-"
         drafter = r.get("drafter") or "-"
         if r.get("synthetic"):
             drafter += " (synthetic)"

@@ -31,12 +31,16 @@ class Cell:
     drafter: str | None = None
     window: int | None = None  # exspec only
     forward: str | None = None  # ours only: EngineConfig.forward
+    refill: str | None = None  # ours only: EngineConfig.refill
 
     @property
     def name(self) -> str:
-        """The method as tables show it: "autoregressive", or "autoregressive[hf]" when run through
-        the transformers modules instead of the default forward."""
-        return self.method if self.forward in (None, "auto") else f"{self.method}[{self.forward}]"
+        """The method as tables show it: "autoregressive", "autoregressive[hf]" when run through
+        the transformers modules instead of the default forward, "eqspec[fixed]" with the paper's
+        fixed batches (refill none)."""
+        tags = [t for t in (None if self.forward in (None, "auto") else self.forward,
+                            "fixed" if self.refill == "none" else None) if t]
+        return f"{self.method}[{','.join(tags)}]" if tags else self.method
 
     @property
     def label(self) -> str:
@@ -62,19 +66,21 @@ def window_sizes(spec: list[str], batch_size: int) -> list[int]:
 
 
 def plan(methods: list[str], batch_sizes: list[int], gammas: list[int], drafters: list[str],
-         peers: bool, windows: list[str] = ("4x",), forwards: list[str] = ("auto",)) -> tuple[list[Cell], list[str]]:
+         peers: bool, windows: list[str] = ("4x",), forwards: list[str] = ("auto",),
+         refills: list[str] = ("continuous",)) -> tuple[list[Cell], list[str]]:
     """The grid, ordered so our methods and the peers alternate; plus notes on what was left out."""
     cells, notes = [], []
     for bs in batch_sizes:
         if "autoregressive" in methods:
-            cells.extend(Cell("autoregressive", bs, forward=f) for f in forwards)
+            cells.extend(Cell("autoregressive", bs, forward=f, refill=r) for f in forwards for r in refills)
         if peers:
             cells.append(Cell("hf_generate", bs))
         if "eqspec" in methods:
-            cells.extend(Cell("eqspec", bs, g, d, forward=f) for g in gammas for d in drafters for f in forwards)
+            cells.extend(Cell("eqspec", bs, g, d, forward=f, refill=r) for g in gammas for d in drafters
+                         for f in forwards for r in refills)
         if "exspec" in methods:
-            cells.extend(Cell("exspec", bs, g, d, w, f) for g in gammas for d in drafters
-                         for w in window_sizes(list(windows), bs) for f in forwards)
+            cells.extend(Cell("exspec", bs, g, d, w, f, r) for g in gammas for d in drafters
+                         for w in window_sizes(list(windows), bs) for f in forwards for r in refills)
         if peers and bs == 1:
             cells.extend(Cell("hf_assisted", 1, g) for g in gammas)
     if peers and 1 not in batch_sizes:
@@ -97,9 +103,11 @@ class Run:
 
 class Bench:
     def __init__(self, pair, prompts: list[list[int]], params: list[SamplingParams], *,
-                 sort_by_length=False, profile=False, progress: Callable[[str, int, int], None] | None = None) -> None:
+                 sort_by_length=False, profile=False, progress: Callable[[str, int, int], None] | None = None,
+                 engine_options: dict | None = None) -> None:
         self.pair, self.prompts, self.params = pair, prompts, params
         self.sort_by_length, self.profile = sort_by_length, profile
+        self.engine_options = engine_options or {}  # max_kv_tokens, max_prefill_tokens
         self.progress = progress or (lambda label, done, total: None)
         self.engines: dict[Cell, SpecEngine] = {}
         self.references: dict[tuple[int, ...], list[int]] | None = None
@@ -108,7 +116,8 @@ class Bench:
         if cell not in self.engines:
             config = EngineConfig(method=cell.method, batch_size=cell.batch_size, gamma=cell.gamma or 1,
                                   drafter=cell.drafter or "draft_model", sort_by_length=self.sort_by_length,
-                                  window=cell.window, profile=self.profile, forward=cell.forward or "auto")
+                                  window=cell.window, profile=self.profile, forward=cell.forward or "auto",
+                                  refill=cell.refill or "continuous", **self.engine_options)
             self.engines[cell] = SpecEngine(self.pair, config)
         return self.engines[cell]
 
@@ -124,7 +133,8 @@ class Bench:
             else:
                 engine = self.engine(cell)
                 results = engine.generate(prompts, params, references=self.references)
-                outs, seconds, stats = [o.token_ids for o in results], engine.stats.wall, engine.stats.summary()
+                run = engine.last_run
+                outs, seconds, stats = [o.token_ids for o in results], run.wall, run.summary()
         return Run(sum(len(o) for o in outs), seconds, stats, mem.peak_mb)
 
     def measure(self, cells: list[Cell], repeat: int) -> dict[Cell, list[Run]]:
@@ -153,10 +163,10 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
     tps = {c: [r.tokens / r.seconds for r in rs] for c, rs in runs.items()}
     med = {c: statistics.median(v) for c, v in tps.items()}
 
-    def base(method: str, bs: int, gamma=None, forward="auto") -> float | None:
+    def base(method: str, bs: int, gamma=None, forward="auto", refill="continuous") -> float | None:
         for c in med:
             if (c.method == method and c.batch_size == bs and (gamma is None or c.gamma == gamma)
-                    and (c.forward or "auto") == forward):
+                    and (c.forward or "auto") == forward and (c.refill or "continuous") == refill):
                 return med[c]
         return None
 
@@ -164,13 +174,15 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
     for cell, rs in runs.items():
         middle = sorted(rs, key=lambda r: r.tokens / r.seconds)[len(rs) // 2]
         fwd = cell.forward or "auto"  # a peer's speed-up is over our default autoregressive
-        ar_same, ar_bs1 = base("autoregressive", cell.batch_size, forward=fwd), base("autoregressive", 1, forward=fwd)
+        refill = cell.refill or "continuous"
+        ar_same = base("autoregressive", cell.batch_size, forward=fwd, refill=refill)
+        ar_bs1 = base("autoregressive", 1, forward=fwd, refill=refill)
         hf_same = base("hf_generate", cell.batch_size)
         hf_assist = base("hf_assisted", 1, cell.gamma) if cell.batch_size == 1 else None
         ours = cell.method in OURS
         row = {
             "method": cell.name, "batch_size": cell.batch_size, "gamma": cell.gamma, "window": cell.window,
-            "forward": cell.forward,
+            "forward": cell.forward, "refill": cell.refill,
             "drafter": cell.drafter if cell.method in ("eqspec", "exspec") else None,
             "synthetic": bool(cell.drafter and cell.drafter.startswith("oracle")),
             "tokens": middle.tokens, "seconds": middle.seconds,
@@ -189,7 +201,8 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
                 hist.update({int(k): v for k, v in r.stats["accept_hist"].items()})
             row.update({k: stats[k] for k in ("acceptance_rate", "tokens_per_round", "time_share", "grouping_rate",
                                               "realigned_rows_per_round", "padding_tokens_per_round",
-                                              "mean_batch_occupancy")})
+                                              "mean_batch_occupancy", "preemptions", "peak_kv_tokens",
+                                              "prefill_forwards")})
             row["accept_hist"] = {str(k): hist[k] for k in sorted(hist)}
         if cell.method in ("eqspec", "exspec") and (cell.batch_size, cell.gamma, fwd) in costs:
             cost = costs[(cell.batch_size, cell.gamma, fwd)]

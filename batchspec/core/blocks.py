@@ -23,13 +23,8 @@ class BlockAllocator:
         have = len(self.tables.get(key, ()))
         return max(0, -(-num_tokens // self.block_size) - have)
 
-    def grow(self, new_num_blocks: int) -> None:
-        """Register blocks [num_blocks, new_num_blocks) as free (the store grew its tensor)."""
-        self.free.extend(range(new_num_blocks - 1, self.num_blocks - 1, -1))
-        self.num_blocks = new_num_blocks
-
     def reserve(self, key: int, num_tokens: int) -> None:
-        """Make the table of `key` cover `num_tokens` tokens. The caller grows first if needed."""
+        """Make the table of `key` cover `num_tokens` tokens; MemoryError when the blocks run out."""
         need = self.blocks_needed(key, num_tokens)
         if need > len(self.free):
             raise MemoryError(f"KV store out of blocks: need {need}, {len(self.free)} free")

@@ -11,6 +11,9 @@ Two implementations behind one call signature, `forward(ids, mask, positions, kv
   batch size 1 that machinery is most of a small model's step on a CPU. The weights are the
   model's, not copies (the fused matrices are shared with the modules, whose weights become views
   into them); `tests/test_forward.py` checks both paths give the same logits and greedy tokens.
+  Moving the model afterwards (`model.to(dtype or device)`) gives the modules new weight tensors;
+  every call checks that the modules' weights are still views into the fused matrices (one data
+  pointer per fused linear) and re-fuses when they are not.
 
 Inputs (as `core.runner.layout_inputs` builds them), with w = kv.width committed columns and n
 fed columns per row:
@@ -88,6 +91,9 @@ class _Fused:
                 if lin.bias is not None:
                     lin.bias = torch.nn.Parameter(self.bias[offset:offset + size], lin.bias.requires_grad)
                 offset += size
+        # (parameter dict, data pointer) of each module's weight view: `LeanForward.stale` compares
+        # them. A dict lookup, not `lin.weight`, which goes through Module.__getattr__ (slower).
+        self.watch = [(lin._parameters, lin.weight.data_ptr()) for lin in linears]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """All outputs side by side: [..., sum of out_features]."""
@@ -115,11 +121,19 @@ class LeanForward:
         reason = lean_unsupported(model)
         if reason is not None:
             raise ValueError(f"the lean forward does not support this model: {reason}")
-        body = model.model  # no reference to `model` itself: make_forward caches by weak key
+        # No reference to `model` itself: make_forward caches by weak key.
+        self.body, self.head = model.model, model.lm_head
+        self._build()
+
+    def _build(self) -> None:
+        """Fuse the projections and take the weights from the modules as they are now. Embeddings
+        and norms are held as their Parameter objects and the head and o/down projections as
+        modules, which follow `model.to(...)` by themselves (it replaces `.data`); the fused
+        matrices are copies, so they and the rope tables built in the old dtype are rebuilt."""
+        body = self.body
+        self.layers = []  # drop the old fused matrices (perhaps on the old device) before making new ones
         self.embed = body.embed_tokens.weight
         self.norm = _RMSNorm(body.norm)
-        self.head = model.lm_head
-        self.layers = []
         for layer in body.layers:
             attn = layer.self_attn
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -134,6 +148,21 @@ class LeanForward:
         self.heads = [size // self.head_dim for size in self.layers[0][1].sizes]  # q, k, v heads
         self.rotary = body.rotary_emb
         self.cos = self.sin = None  # [P, head_dim] tables over positions 0..P-1, grown on demand
+        watch = [entry for layer in self.layers for fused in (layer[1], layer[6]) for entry in fused.watch]
+        self._params, self._ptrs = [params for params, _ in watch], [ptr for _, ptr in watch]
+
+    def stale(self) -> bool:
+        """Whether some fused linear's weight is no longer its view into the fused matrix, as after
+        `model.to(another dtype or device)` (which gives every parameter new data) or a reassigned
+        weight. A data pointer comparison per linear suffices: the fused matrix keeps its memory
+        alive, so no other tensor, of any dtype, can start at that address. Cheap (no device sync)."""
+        return [params["weight"].data_ptr() for params in self._params] != self._ptrs
+
+    def refresh(self) -> LeanForward:
+        """Re-fuse if the model's weights were replaced since the last fusing; returns self."""
+        if self.stale():
+            self._build()
+        return self
 
     def _rope(self, positions: torch.Tensor, need: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, n, 1, head_dim] (broadcast over heads) for `positions` [B, n], all below
@@ -170,6 +199,8 @@ class LeanForward:
         return visible[:, None]
 
     def __call__(self, ids, mask, positions, kv, keep: int, padded: bool = True) -> torch.Tensor:
+        if self.stale():
+            self._build()
         with torch.no_grad():
             return self._forward(ids, mask, positions, kv, keep, padded)
 
@@ -205,9 +236,10 @@ def make_forward(model, kind: str = "auto"):
     if kind == "hf":
         return HFForward(model)
     if kind == "lean" or (kind == "auto" and lean_unsupported(model) is None):
-        if model not in _LEAN:
-            _LEAN[model] = LeanForward(model)
-        return _LEAN[model]
+        lean = _LEAN.get(model)
+        if lean is None:
+            lean = _LEAN[model] = LeanForward(model)
+        return lean.refresh()  # not stale if the model was moved since it was cached
     if kind == "auto":
         return HFForward(model)
     raise ValueError(f"unknown forward {kind!r}; choose auto, lean or hf")

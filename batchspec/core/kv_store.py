@@ -7,6 +7,11 @@ for the whole model instead of one copy per layer.
 
 Rejecting draft tokens never touches the store: a request's committed length simply does not
 advance over them, and later writes overwrite the stale slots.
+
+The store is allocated once, to a budget of `num_blocks` blocks, and never grows: the engine
+checks room before it admits or advances a request (and preempts when it must), so running out
+here is a bug, reported as such. Only the null block is zeroed; every other slot is written
+before it is ever read.
 """
 
 from __future__ import annotations
@@ -17,32 +22,40 @@ from .blocks import BlockAllocator
 
 
 class KVStore:
-    def __init__(self, layers: int, heads: int, head_dim: int, dtype, device, block_size: int = 16) -> None:
+    def __init__(self, layers: int, heads: int, head_dim: int, dtype, device, block_size: int = 16,
+                 num_blocks: int = 2) -> None:
         self.shape = (layers, 2, heads, head_dim)
         self.dtype, self.device = dtype, device
-        self.alloc = BlockAllocator(block_size, num_blocks=1)
-        self.data = self._zeros(block_size)
+        self.alloc = BlockAllocator(block_size, num_blocks=max(2, num_blocks))
+        self.data = torch.empty(layers, 2, heads, self.alloc.num_blocks * block_size, head_dim, dtype=dtype,
+                                device=device)
+        self.data[:, :, :, :block_size] = 0  # the null block that padding reads
 
-    def _zeros(self, slots: int) -> torch.Tensor:
-        layers, two, heads, head_dim = self.shape
-        return torch.zeros(layers, two, heads, slots, head_dim, dtype=self.dtype, device=self.device)
+    @staticmethod
+    def bytes_per_token(layers: int, heads: int, head_dim: int, dtype) -> int:
+        return layers * 2 * heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
     @property
     def block_size(self) -> int:
         return self.alloc.block_size
 
+    def can_reserve(self, key: int, num_tokens: int) -> bool:
+        return self.alloc.blocks_needed(key, num_tokens) <= len(self.alloc.free)
+
     def reserve(self, key: int, num_tokens: int) -> None:
-        """Make room for `num_tokens` tokens of request `key`, growing the tensor if needed."""
-        need = self.alloc.blocks_needed(key, num_tokens)
-        if need > len(self.alloc.free):
-            new_blocks = max(2 * self.alloc.num_blocks, self.alloc.num_blocks + need + 1)
-            grown = self._zeros(new_blocks * self.block_size)
-            grown[:, :, :, : self.data.shape[3]] = self.data
-            self.data = grown
-            self.alloc.grow(new_blocks)
+        """Make room for `num_tokens` tokens of request `key` (the caller checked there is)."""
+        if not self.can_reserve(key, num_tokens):
+            raise MemoryError(f"KV store out of blocks for request {key} ({num_tokens} tokens): the engine should "
+                              "have preempted first; this is a bug")
         self.alloc.reserve(key, num_tokens)
 
-    def release(self, key: int) -> None:
+    def release(self, key: int, poison: bool = False) -> None:
+        """Free the blocks of `key`. With `poison` (debug mode) they are filled with NaN first, so
+        that any later read of released KV shows up in the outputs instead of passing unnoticed."""
+        if poison and key in self.alloc.tables:
+            bs = self.block_size
+            slots = torch.tensor([b * bs + i for b in self.alloc.tables[key] for i in range(bs)], device=self.device)
+            self.data.index_fill_(3, slots, float("nan"))
         self.alloc.release(key)
 
     def gather_index(self, keys: list[int], lengths: list[int], width: int, capacity: int) -> torch.Tensor:
@@ -81,6 +94,10 @@ class KVStore:
 
     def tokens_in_use(self) -> int:
         return self.alloc.used_blocks * self.block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.alloc.num_blocks - 1) * self.block_size
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()

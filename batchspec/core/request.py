@@ -14,8 +14,9 @@ from ..sampling import SamplingParams
 
 
 class FinishReason(str, Enum):
-    STOP = "stop"  # an EOS or stop token was generated (and is included in the output)
+    STOP = "stop"  # an EOS / stop token (included in the output) or a stop string (cut from the text)
     LENGTH = "length"  # max_new_tokens were generated
+    ABORT = "abort"  # aborted by the caller (e.g. its client went away)
 
 
 @dataclass
@@ -23,6 +24,7 @@ class RequestStats:
     rounds: int = 0  # target forward passes this request took part in (prefill excluded)
     drafted: int = 0  # draft tokens proposed for it
     accepted: int = 0  # draft tokens the target accepted
+    preempted: int = 0  # times its KV was dropped for lack of room (and recomputed later)
 
     @property
     def acceptance_rate(self) -> float:
@@ -36,6 +38,9 @@ class Request:
     kv_len[model] counts the leading tokens whose KV entries that model has committed; tokens
     after it are fed on the model's next forward pass. At a round boundary the target has
     kv_len == len(token_ids) - 1 (the newest token is always unfed) and the draft lags by 1 or 2.
+    A request is `prefilled` once the target holds all but its newest token; before that it is
+    resident but still being prefilled (in chunks). `reported` counts the output tokens already
+    handed out by `SpecEngine.step()`.
     """
 
     index: int
@@ -47,7 +52,9 @@ class Request:
     finish_reason: FinishReason | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     generator: Any = None  # torch.Generator for sampled requests, None for greedy ones
+    text: Any = None  # core.detok.TextStream when the engine has a tokenizer
     prompt_len: int = 0
+    reported: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.token_ids)
@@ -72,22 +79,46 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def prefilled(self) -> bool:
+        return self.kv_len.get("target", 0) >= self.num_tokens - 1
+
     def append(self, tokens: list[int]) -> int:
-        """Append verified tokens, stopping at the first stop token or at max_new_tokens.
+        """Append verified tokens, stopping at the first stop token, stop string or at max_new_tokens.
 
         Returns how many were appended; sets finish_reason when the request is complete.
-        Nothing after the first stop token is ever appended.
+        Nothing after the first stop token (or the token that completes a stop string) is appended.
         """
         taken = 0
         for tok in tokens[: self.remaining]:
             self.token_ids.append(tok)
             taken += 1
-            if tok in self.stop_ids:
+            stop_string = self.text is not None and self.text.push(tok)
+            if tok in self.stop_ids or stop_string:
                 self.finish_reason = FinishReason.STOP
                 return taken
         if self.remaining <= 0:
             self.finish_reason = FinishReason.LENGTH
         return taken
+
+
+@dataclass
+class StepOutput:
+    """What one `SpecEngine.step()` reports for a request that advanced or ended.
+
+    new_token_ids / new_text are this round's additions (text is released once it is complete
+    UTF-8 and cannot be the start of a stop string); `output` is the whole result once finished.
+    """
+
+    index: int
+    new_token_ids: list[int]
+    new_text: str | None
+    finish_reason: str | None = None
+    output: Output | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 @dataclass

@@ -117,12 +117,14 @@ class ModelRunner:
     """
 
     def __init__(self, model, name: str, vocab_size: int, block_size: int = 16, timer=None,
-                 debug: bool = False, forward: str = "auto") -> None:
+                 debug: bool = False, forward: str = "auto", kv_tokens: int = 4096) -> None:
         self.model, self.name, self.vocab_size = model, name, vocab_size
+        self.forward_kind = forward
         self.forward = make_forward(model, forward)
-        self.device = model.device
+        self.device, self.dtype = model.device, model.dtype
         layers, heads, head_dim = kv_shape(model)
-        self.store = KVStore(layers, heads, head_dim, model.dtype, self.device, block_size)
+        num_blocks = 1 + -(-kv_tokens // block_size)  # + the null block
+        self.store = KVStore(layers, heads, head_dim, model.dtype, self.device, block_size, num_blocks)
         self.kv: BatchKV | None = None
         self.layout: _Layout | None = None
         self.stats = AlignStats()
@@ -130,16 +132,28 @@ class ModelRunner:
         self.timer = timer
         self.debug = debug
 
-    # ----------------------------------------------------------------------------- layout
-    def begin(self, reqs: list[Request], leave: int = 0, extra: int = 0) -> int:
-        """Lay out `reqs` to feed each one its content[kv_len : len - leave] plus `extra` more
-        tokens over later `feed` calls. Returns c, the content tokens the first feed will carry."""
-        with self._stage("align"):
-            return self._begin(reqs, leave, extra)
+    # ----------------------------------------------------------------------------- KV room
+    def can_reserve(self, req: Request, num_tokens: int) -> bool:
+        return self.store.can_reserve(req.index, num_tokens)
 
-    def _begin(self, reqs: list[Request], leave: int, extra: int) -> int:
+    def reserve(self, req: Request, num_tokens: int) -> None:
+        """Give `req` room for `num_tokens` committed tokens (before the forward that fills them)."""
+        self.store.reserve(req.index, num_tokens)
+
+    # ----------------------------------------------------------------------------- layout
+    def begin(self, reqs: list[Request], leave: int = 0, extra: int = 0, ends: list[int] | None = None) -> int:
+        """Lay out `reqs` to feed each one its content[kv_len : len - leave] (or [kv_len : ends[i]])
+        plus `extra` more tokens over later `feed` calls. Returns c, the content tokens the first
+        feed will carry."""
+        if self.model.dtype != self.dtype or self.model.device != self.device:
+            raise RuntimeError(f"the {self.name} model was moved to {self.model.device}/{self.model.dtype} after this "
+                               f"engine was built on {self.device}/{self.dtype}; build a new engine")
+        with self._stage("align"):
+            return self._begin(reqs, leave, extra, ends)
+
+    def _begin(self, reqs: list[Request], leave: int, extra: int, ends: list[int] | None) -> int:
         name = self.name
-        ends = [r.num_tokens - leave for r in reqs]
+        ends = ends if ends is not None else [r.num_tokens - leave for r in reqs]
         have = [min(r.kv_len.get(name, 0), n) for r, n in zip(reqs, ends)]
         tail = max(n - k for n, k in zip(ends, have))
         kept = [max(0, n - tail) for n in ends]
@@ -225,7 +239,7 @@ class ModelRunner:
                 self.store.write(torch.tensor(dst, device=self.device), values)
 
     def release(self, req: Request) -> None:
-        self.store.release(req.index)
+        self.store.release(req.index, poison=self.debug)
         req.kv_len.pop(self.name, None)
 
     # ----------------------------------------------------------------------------- checks

@@ -1,7 +1,11 @@
 """Run statistics: stage timers and counters, returned as values (not only logged).
 
 Stages nest exclusively: entering "align" inside "draft" pauses the draft clock, so the
-shares {draft, verify, align, other} of a run's wall time sum to 1.
+shares {prefill, draft, verify, align, other} of a run's wall time sum to 1.
+
+The engine keeps one `RunStats` over its whole life (`SpecEngine.stats`); each `step()` fills
+a fresh one and merges it into that and into every open `generate()` run, so a run's numbers
+are its own without resetting anything.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-STAGES = ("draft", "verify", "align")
+STAGES = ("prefill", "draft", "verify", "align")
 
 
 class StageTimer:
@@ -51,6 +55,10 @@ class StageTimer:
     def reset(self) -> None:
         self.totals = dict.fromkeys(STAGES, 0.0)
 
+    def since(self, earlier: dict[str, float]) -> dict[str, float]:
+        """Time per stage spent after `earlier` (a copy of `totals`)."""
+        return {k: v - earlier.get(k, 0.0) for k, v in self.totals.items()}
+
 
 class _Stage:
     __slots__ = ("timer", "name")
@@ -80,8 +88,25 @@ class RunStats:
     aligned_rounds: int = 0  # rounds whose target batch needed no realignment
     realigned_rows: int = 0  # rows shifted or padded by target realignments
     padding_tokens: int = 0  # target padding columns over all rounds
+    prefill_forwards: int = 0  # prefill chunks run (one forward of each model)
+    prefill_tokens: int = 0  # prompt tokens prefilled (recomputed ones after preemption included)
+    preemptions: int = 0  # requests whose KV was dropped for lack of room
+    aborted: int = 0
+    finished: int = 0  # requests that ended (aborted ones included)
+    peak_kv_tokens: int = 0  # most target KV tokens reserved at once (in whole blocks)
     wall: float = 0.0
     stage_time: dict[str, float] = field(default_factory=dict)
+
+    def merge(self, other: RunStats) -> None:
+        """Add `other` (one step's numbers) into these; peaks take the maximum."""
+        for name in ("rounds", "row_rounds", "drafted", "accepted", "emitted", "aligned_rounds", "realigned_rows",
+                     "padding_tokens", "prefill_forwards", "prefill_tokens", "preemptions", "aborted", "finished",
+                     "wall"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.accept_hist.update(other.accept_hist)
+        for k, v in other.stage_time.items():
+            self.stage_time[k] = self.stage_time.get(k, 0.0) + v
+        self.peak_kv_tokens = max(self.peak_kv_tokens, other.peak_kv_tokens)
 
     def summary(self) -> dict:
         share = {k: self.stage_time.get(k, 0.0) / self.wall if self.wall else 0.0 for k in STAGES}
@@ -98,5 +123,9 @@ class RunStats:
             "realigned_rows_per_round": self.realigned_rows / rounds,
             "padding_tokens_per_round": self.padding_tokens / rounds,
             "mean_batch_occupancy": self.row_rounds / rounds,
+            "prefill_forwards": self.prefill_forwards,
+            "prefill_tokens": self.prefill_tokens,
+            "preemptions": self.preemptions,
+            "peak_kv_tokens": self.peak_kv_tokens,
             "time_share": share,
         }

@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 
 from ..core.request import Request
+from ..core.stats import RunStats
 from ..sampling import BatchSampling, draw_uniforms, probabilities
 from ..verify import greedy_verify, rejection_verify
 
 
-def run_round(engine, batch: list[Request]) -> None:
+def run_round(engine, batch: list[Request], stats: RunStats) -> None:
+    """Advance every request of `batch` by one round; counters go to `stats`."""
     gamma, timer, target = engine.gamma, engine.timer, engine.target
     device = engine.device
     sampling = BatchSampling.of([r.params for r in batch], device)
@@ -43,7 +45,6 @@ def run_round(engine, batch: list[Request]) -> None:
     if gamma > 0:
         engine.drafter.observe(batch, accepted)
 
-    stats = engine.stats
     layout = target.last_layout
     stats.rounds += 1
     stats.row_rounds += len(batch)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, MutableMapping
 
 from .base import Drafter, DraftProposal
 from .model import DraftModelDrafter
@@ -28,18 +28,19 @@ def parse_drafter(spec: str) -> tuple[str, float | None]:
 
 
 def make_drafter(spec: str, *, draft_runner, device, vocab_size: int,
-                 references: Mapping[tuple[int, ...], list[int]] | None = None, seed: int = 0) -> Drafter:
+                 references: MutableMapping[tuple[int, ...], list[int]] | None = None, seed: int = 0,
+                 compute_reference: Callable | None = None) -> Drafter:
     name, prob = parse_drafter(spec)
     if name == "draft_model":
         if draft_runner is None:
             raise ValueError("drafter 'draft_model' needs a draft model; pass --draft or choose another drafter")
         return DraftModelDrafter(draft_runner)
-    if references is None:
-        raise ValueError("the oracle drafter needs the target's reference outputs (computed by the engine "
-                         "when it is given prompts through generate())")
+    if references is None and compute_reference is None:
+        raise ValueError("the oracle drafter needs the target's reference outputs or a way to compute them")
     cost = DraftModelDrafter(draft_runner) if draft_runner is not None else None
     label = f"oracle:{prob:g} (synthetic{', draft-model cost' if cost else ', zero draft cost'})"
-    return OracleDrafter(references, bernoulli_mismatch(prob, seed), vocab_size, device, cost, label)
+    return OracleDrafter(references if references is not None else {}, bernoulli_mismatch(prob, seed), vocab_size,
+                         device, cost, label, compute_reference)
 
 
 __all__ = ["DRAFTERS", "DraftModelDrafter", "DraftProposal", "Drafter", "OracleDrafter", "make_drafter",

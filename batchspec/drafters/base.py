@@ -21,8 +21,10 @@ class Drafter(Protocol):
     label: str  # how outputs and reports name it
     synthetic: bool  # True for drafters that cheat (know the answer); reports must say so
 
-    def admit(self, reqs: list[Request]) -> None:
-        """Requests joined the engine (prefill any per-request state)."""
+    def prefill(self, reqs: list[Request], ends: list[int]) -> None:
+        """Cover tokens [0, ends[i]) of each request's content (a prefill chunk; the last chunk
+        ends at len - 1; a one-token prompt has nothing to prefill and is never passed). Called
+        again from 0 after a preemption dropped the request's state."""
 
     def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
                 sampling: BatchSampling) -> DraftProposal:

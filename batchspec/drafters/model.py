@@ -24,9 +24,9 @@ class DraftModelDrafter:
         self._real_tail: list[int] = []
         self._gamma = 0
 
-    def admit(self, reqs: list[Request]) -> None:
+    def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         runner = self.runner
-        tail = runner.begin(reqs, leave=1)
+        tail = runner.begin(reqs, ends=ends)
         if tail > 0:
             runner.feed(keep=1)
         runner.commit(reqs, [tail - cp for cp in runner.layout.tail_pad])

@@ -13,7 +13,7 @@ Its proposals are deterministic (q one-hot). Every report labels it synthetic.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, MutableMapping
 
 import torch
 
@@ -39,10 +39,11 @@ def bernoulli_mismatch(accept_prob: float, seed: int = 0) -> Mismatch:
 class OracleDrafter:
     synthetic = True
 
-    def __init__(self, references: Mapping[tuple[int, ...], list[int]], mismatch: Mismatch,
+    def __init__(self, references: MutableMapping[tuple[int, ...], list[int]], mismatch: Mismatch,
                  vocab_size: int, device, cost_model: DraftModelDrafter | None = None,
-                 label: str = "oracle") -> None:
+                 label: str = "oracle", compute: Callable[[Request], list[int]] | None = None) -> None:
         self.references = references
+        self.compute = compute  # target-only greedy output of a request, for prompts without a reference
         self.device = device
         self.mismatch = mismatch
         self.vocab_size = vocab_size
@@ -52,17 +53,20 @@ class OracleDrafter:
 
     def reference(self, req: Request) -> list[int]:
         key = tuple(req.token_ids[: req.prompt_len])
-        if key not in self.references:
-            raise KeyError("the oracle drafter has no reference continuation for this prompt; "
-                           "it only works on prompts whose target-only output was computed first")
-        return self.references[key]
+        ref = self.references.get(key)
+        short = ref is not None and len(ref) < req.params.max_new_tokens and not (ref and ref[-1] in req.stop_ids)
+        if ref is None or short:
+            if self.compute is None:
+                raise KeyError("the oracle drafter has no reference continuation for this prompt; "
+                               "it only works on prompts whose target-only output was computed first")
+            ref = self.references[key] = self.compute(req)
+        return ref
 
-    def admit(self, reqs: list[Request]) -> None:
+    def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         for r in reqs:
             self.reference(r)
-            self._rounds[r.index] = 0
         if self.cost_model is not None:
-            self.cost_model.admit(reqs)
+            self.cost_model.prefill(reqs, ends)
 
     def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
                 sampling: BatchSampling) -> DraftProposal:
@@ -70,7 +74,7 @@ class OracleDrafter:
         for r in reqs:
             ref = self.reference(r)
             start = r.num_generated
-            round_ = self._rounds[r.index]
+            round_ = self._rounds.get(r.index, 0)
             row = []
             for j in range(gamma):
                 tok = ref[start + j] if start + j < len(ref) else 0

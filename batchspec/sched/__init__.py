@@ -1,16 +1,19 @@
-"""Scheduling policy: which requests are resident and which form each round's batch.
+"""Scheduling policy: which requests are resident, which form each round's batch, and how
+prompts are cut into prefill chunks.
 
 Pure Python over request lengths; nothing here touches tensors or models.
 """
 
 from .grouping import pick_batch
+from .prefill import plan_prefill
+from .queue import RequestQueue
 from .static import StaticBatcher
 from .window import WindowScheduler
 
-__all__ = ["StaticBatcher", "WindowScheduler", "pick_batch", "make_scheduler"]
+__all__ = ["RequestQueue", "StaticBatcher", "WindowScheduler", "make_scheduler", "pick_batch", "plan_prefill"]
 
 
 def make_scheduler(config):
     if config.method == "exspec":
-        return WindowScheduler(config.batch_size, config.effective_window, config.sort_by_length)
-    return StaticBatcher(config.batch_size, config.sort_by_length)
+        return WindowScheduler(config.batch_size, config.effective_window, config.sort_by_length, config.refill)
+    return StaticBatcher(config.batch_size, config.sort_by_length, config.refill)

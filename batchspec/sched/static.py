@@ -1,37 +1,24 @@
-"""Fixed batches (autoregressive, eqspec): B requests run together until all have finished;
-finished rows leave at once, and the next B are admitted only when the batch is empty."""
+"""Fixed-size batches (autoregressive, eqspec): every prefilled resident request runs each round.
+
+With refill "continuous" a finished row is refilled at the next round boundary; with "none"
+the next B requests are admitted only once the whole batch has finished (the founding paper's
+EQSPEC), so a batch with one long request runs at batch size 1 until it ends.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from .queue import RequestQueue
 
 
-class StaticBatcher:
-    def __init__(self, batch_size: int, sort_by_length: bool = False) -> None:
+class StaticBatcher(RequestQueue):
+    def __init__(self, batch_size: int, sort_by_length: bool = False, refill: str = "continuous") -> None:
+        super().__init__(batch_size, sort_by_length, refill)
         self.batch_size = batch_size
-        self.sort_by_length = sort_by_length
-        self.pending: deque = deque()
-        self.running: list = []
 
-    def add(self, req) -> None:
-        self.pending.append(req)
+    @property
+    def running(self) -> list:
+        return self.resident
 
-    def has_work(self) -> bool:
-        return bool(self.pending or self.running)
-
-    def schedule(self) -> tuple[list, list]:
-        """(requests to admit now, the batch to run this round)."""
-        admit = []
-        if not self.running and self.pending:
-            if self.sort_by_length:
-                self.pending = deque(sorted(self.pending, key=lambda r: r.num_tokens))
-            while self.pending and len(admit) < self.batch_size:
-                admit.append(self.pending.popleft())
-            self.running = list(admit)
-        return admit, list(self.running)
-
-    def finish(self, req) -> None:
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.pending:
-            self.pending.remove(req)
+    def next_batch(self) -> list:
+        """The batch to run this round: every prefilled resident request."""
+        return [r for r in self.resident if r.prefilled]

@@ -3,57 +3,44 @@ each round a batch of up to B of them chosen by `pick_batch` from their lengths.
 
 from __future__ import annotations
 
-from collections import deque
-
 from .grouping import pick_batch
+from .queue import RequestQueue
 
 
-class WindowScheduler:
-    def __init__(self, batch_size: int, window: int, sort_by_length: bool = False) -> None:
+class WindowScheduler(RequestQueue):
+    def __init__(self, batch_size: int, window: int, sort_by_length: bool = False,
+                 refill: str = "continuous") -> None:
         if window < batch_size:
             raise ValueError(f"window ({window}) must be >= batch size ({batch_size})")
+        super().__init__(window, sort_by_length, refill)
         self.batch_size, self.window = batch_size, window
-        self.sort_by_length = sort_by_length
-        self.pending: deque = deque()
-        self.resident: list = []
         self.waits: dict[int, int] = {}  # rounds since each resident request last ran
-        self._sorted = False
 
-    def add(self, req) -> None:
-        self.pending.append(req)
-        self._sorted = False
+    def on_admit(self, req) -> None:
+        self.waits[req.index] = 0
 
-    def has_work(self) -> bool:
-        return bool(self.pending or self.resident)
-
-    def schedule(self) -> tuple[list, list]:
-        if self.sort_by_length and not self._sorted:
-            self.pending = deque(sorted(self.pending, key=lambda r: r.num_tokens))
-            self._sorted = True
-        admit = []
-        while self.pending and len(self.resident) < self.window:
-            req = self.pending.popleft()
-            admit.append(req)
-            self.resident.append(req)
-            self.waits[req.index] = 0
-        if not self.resident:
-            return admit, []
+    def next_batch(self) -> list:
+        """Up to B prefilled resident requests, chosen by length (see `grouping.pick_batch`)."""
+        ready = [r for r in self.resident if r.prefilled]  # still-prefilling rows cannot decode yet
+        if not ready:
+            return []
         # target KV length (tokens - 1) is what decides padding
         chosen = pick_batch(
-            [r.num_tokens for r in self.resident],
-            [self.waits[r.index] for r in self.resident],
+            [r.num_tokens for r in ready],
+            [self.waits[r.index] for r in ready],
             self.batch_size,
-            max_wait=2 * -(-len(self.resident) // self.batch_size),
+            max_wait=2 * -(-len(ready) // self.batch_size),
         )
-        batch = [self.resident[i] for i in chosen]
+        batch = [ready[i] for i in chosen]
         picked = {r.index for r in batch}
-        for r in self.resident:
+        for r in ready:
             self.waits[r.index] = 0 if r.index in picked else self.waits[r.index] + 1
-        return admit, batch
+        return batch
 
     def finish(self, req) -> None:
-        if req in self.resident:
-            self.resident.remove(req)
-            self.waits.pop(req.index, None)
-        elif req in self.pending:
-            self.pending.remove(req)
+        super().finish(req)
+        self.waits.pop(req.index, None)
+
+    def preempt(self, req) -> None:
+        super().preempt(req)
+        self.waits.pop(req.index, None)

@@ -17,6 +17,9 @@ arises from inconsistent input) accepts iff p(x) > 0; if the residual has no mas
 everywhere, so p == q and rejection had probability 0) the target's p is used instead;
 top-k / top-p supports that differ between p and q need nothing special, they are just
 zeros in p or q.
+
+No device sync: the residual is computed for every row and selected where a draft was
+rejected, rather than asking the device whether any was.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def rejection_verify(
 ) -> VerifyResult:
     """p [B, γ+1, V] target distributions at (last token, d_1..d_γ); q [B, γ, V] the draft
     distributions the tokens were sampled from (None: deterministic drafts, q one-hot);
-    draft_tokens [B, γ]; u_accept [B, γ] and u_final [B] uniforms in [0, 1).
+    draft_tokens [B, γ]; u_accept [B, γ] and u_final [B] uniforms in [0, 1) (float64, as
+    `draw_uniforms` returns them: the acceptance test u q(x) < p(x) is then made in float64).
     """
     batch, gamma = draft_tokens.shape
     idx = draft_tokens.unsqueeze(-1)
@@ -55,8 +59,8 @@ def rejection_verify(
     # Distribution of the one token the target adds: residual at the first rejection, else p_{γ+1}.
     rows = torch.arange(batch, device=p.device)
     p_at = p[rows, accepted]  # [B, V]
-    rejected = accepted < gamma
-    if bool(rejected.any()):
+    if gamma > 0:  # (γ = 0: an autoregressive step, nothing to reject)
+        rejected = accepted < gamma
         j = accepted.clamp(max=gamma - 1)
         if q is not None:
             q_at = q[rows, j]

@@ -1,0 +1,125 @@
+"""asyncio over the engine: one thread owns the models and runs `step()`; coroutines submit
+requests and await their per-round outputs.
+
+    engine = AsyncEngine(SpecEngine.from_pretrained())
+    async for out in engine.stream("def add(a, b):\\n", SamplingParams(max_new_tokens=32)):
+        print(out.new_text, end="")          # each verification round's text as it is accepted
+    await engine.generate("class Stack:\\n")  # the final Output
+
+The event loop never waits for a round: `add_request()` and `abort()` only queue work for the
+loop thread, which hands each StepOutput to the request's asyncio queue. A consumer that stops
+early (the client disconnected, the task was cancelled) aborts its request, and its KV is freed
+at the next round boundary. An error inside a round fails the requests in flight with that
+error, and the loop goes on serving the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+from .core.request import Output, StepOutput
+from .engine import SpecEngine
+from .sampling import SamplingParams
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than `max_waiting` allows."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: SpecEngine, max_waiting: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="batchspec-engine", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------- the loop thread
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stopped:
+            if not engine.has_unfinished():
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # keep serving: fail what was in flight, drop it from the engine
+                self._fail_all(exc)
+                continue
+            with self._lock:
+                for out in outputs:
+                    target = self._streams.pop(out.index, None) if out.finished else self._streams.get(out.index)
+                    if target is not None:
+                        loop, queue = target
+                        loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for rid, (loop, queue) in streams.items():
+            self.engine.abort(rid)
+            loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+    def close(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join()
+
+    # ----------------------------------------------------------------------------- coroutines' side
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+               add_special_tokens: bool | None = None) -> tuple[int, asyncio.Queue]:
+        """Queue a request (ValueError for bad input, QueueFull when too many wait); returns its
+        id and the asyncio queue its StepOutputs arrive on. Call from the event loop's thread."""
+        if self._stopped:
+            raise RuntimeError("the engine was closed")
+        if self.max_waiting is not None and self.engine.num_waiting() >= self.max_waiting:
+            raise QueueFull(f"{self.engine.num_waiting()} requests are already waiting (limit {self.max_waiting}); "
+                            "try again later")
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        with self._lock:  # registered before the loop thread can report on it
+            rid = self.engine.add_request(prompt, params, add_special_tokens=add_special_tokens)
+            self._streams[rid] = (loop, queue)
+        self._wake.set()
+        return rid, queue
+
+    async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                     add_special_tokens: bool | None = None) -> AsyncIterator[StepOutput]:
+        """Each round's StepOutput for one request; the last one has `finished` set."""
+        rid, queue = self.submit(prompt, params, add_special_tokens=add_special_tokens)
+        async for out in self.follow(rid, queue):
+            yield out
+
+    async def follow(self, rid: int, queue: asyncio.Queue) -> AsyncIterator[StepOutput]:
+        """The StepOutputs of a submitted request; leaving early aborts it."""
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, Exception):
+                    finished = True
+                    raise RuntimeError(f"request {rid} failed inside the engine: {out}") from out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                       add_special_tokens: bool | None = None) -> Output:
+        async for out in self.stream(prompt, params, add_special_tokens=add_special_tokens):
+            if out.finished:
+                return out.output
+        raise RuntimeError("the request ended without an output")
+
+    def abort(self, rid: int) -> None:
+        with self._lock:
+            self._streams.pop(rid, None)
+        self.engine.abort(rid)
+        self._wake.set()
