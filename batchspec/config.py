@@ -27,10 +27,10 @@ class EngineConfig:
     refill        "continuous": a freed row is refilled from the queue at the next round boundary
                   (every method); "none": the founding paper's fixed batches, the next requests are
                   admitted only when the whole batch (exspec: the whole window) has finished.
-    max_kv_tokens KV budget in tokens per model, allocated once at start-up; None: as many as the
-                  resident rows can use at full context, capped at half the free memory. Requests
-                  wait when admitting them would exceed it; a running request that cannot grow is
-                  preempted (its KV dropped and recomputed later).
+    max_kv_tokens KV budget in tokens per model, allocated once at start-up as one row per resident
+                  request (batch_size rows, or exspec's window) of max_kv_tokens / rows tokens each;
+                  None: rows as long as the model context, at most half the free memory. A request
+                  longer than a row is refused when it is added; others wait for a free row.
     max_prefill_tokens  at most this many prompt-token slots (rows x width) per prefill forward;
                   longer prompts are prefilled in chunks interleaved with decoding rounds.
     debug         check the batch layout invariants after every alignment (slow).
@@ -43,7 +43,6 @@ class EngineConfig:
     window: int | None = None
     sort_by_length: bool = False
     drafter: str = "draft_model"
-    block_size: int = 16
     forward: str = "auto"
     refill: str = "continuous"
     max_kv_tokens: int | None = None
@@ -65,8 +64,6 @@ class EngineConfig:
                 raise ValueError(f"window ({self.window}) must be >= batch_size ({self.batch_size})")
         if self.forward not in FORWARDS:
             raise ValueError(f"unknown forward {self.forward!r}; choose one of {', '.join(FORWARDS)}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.refill not in REFILLS:
             raise ValueError(f"unknown refill {self.refill!r}; choose one of {', '.join(REFILLS)}")
         if self.max_kv_tokens is not None and (not isinstance(self.max_kv_tokens, int) or self.max_kv_tokens < 1):

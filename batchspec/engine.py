@@ -3,11 +3,17 @@
 
 Each `step()` is one round boundary and does, in order:
     1. take in requests added and aborts asked for since the last step (from any thread);
-    2. admit waiting requests while the KV budget has room (the scheduler's policy);
+    2. admit waiting requests into free rows of the KV buffer (the scheduler's policy);
     3. run one prefill chunk (at most `max_prefill_tokens` slots) for requests still prefilling;
-    4. make room for the decoding batch's next round, preempting the newest requests if needed;
+    4. choose the decoding batch and, if its rows lie too far apart, move rows closer;
     5. run one draft-and-verify round on the batch;
     6. report every request that advanced or ended: its new token ids and text, and how it ended.
+
+Memory: each model's KV lives in one buffer of R rows x C columns (`core/rows.py`), allocated
+once: R is the number of resident requests (the batch size, or exspec's window), C the longest
+request a row can hold (`max_kv_tokens` / R, by default the model context). A request is
+checked against C when it is added, so a running request can always grow: there is nothing to
+preempt, and requests wait in the queue only for a free row.
 
 Threads: `add_request()` and `abort()` may be called from any thread; they queue work that the
 next `step()` takes in. `step()`, `generate()` and `stream()` belong to one thread, the one that
@@ -26,15 +32,16 @@ import torch
 from .config import EngineConfig
 from .core.detok import TextStream
 from .core.request import FinishReason, Output, Request, StepOutput
-from .core.runner import ModelRunner, kv_shape
+from .core.runner import ModelRunner, content_ids, kv_shape
 from .core.stats import RunStats, StageTimer
 from .decode import run_round
 from .drafters import make_drafter, parse_drafter
 from .models import ModelPair, context_length
 from .sampling import SamplingParams, make_generator
 from .sched import make_scheduler, plan_prefill
+from .sched.slots import SlotTable, arrange
 
-KV_MEMORY_FRACTION = 0.5  # of the memory free at start-up, when no --max-kv-tokens is given
+KV_MEMORY_FRACTION = 0.5  # at most this share of the memory free at start-up, when no --max-kv-tokens is given
 
 
 class SpecEngine:
@@ -58,11 +65,14 @@ class SpecEngine:
         self.context = min(c for c in (context_length(pair.target), context_length(pair.draft) if pair.draft else None,
                                        10**9) if c is not None)
         draft_model = pair.draft if cfg.speculative else None
-        self.kv_tokens = cfg.max_kv_tokens or self._default_kv_tokens(pair.target, draft_model)
-        runner = dict(vocab_size=pair.vocab_size, block_size=cfg.block_size, timer=self.timer, debug=cfg.debug,
-                      forward=cfg.forward, kv_tokens=self.kv_tokens)
+        self.rows = cfg.effective_window
+        self.row_capacity = self._row_capacity(pair.target, draft_model)
+        self.kv_tokens = self.rows * self.row_capacity
+        runner = dict(vocab_size=pair.vocab_size, rows=self.rows, capacity=self.row_capacity, timer=self.timer,
+                      debug=cfg.debug, forward=cfg.forward)
         self.target = ModelRunner(pair.target, "target", **runner)
         self.draft_runner = ModelRunner(draft_model, "draft", **runner) if draft_model is not None else None
+        self.slots = SlotTable(self.rows)
         self.stats = RunStats()  # the engine's whole life
         self.last_run: RunStats | None = None  # the last generate() / stream() call's own numbers
         self._runs: list[RunStats] = []  # open generate() / stream() calls
@@ -92,8 +102,11 @@ class SpecEngine:
     def gamma(self) -> int:
         return self.config.gamma if self.config.speculative else 0
 
-    def _default_kv_tokens(self, target, draft) -> int:
-        """Room for every resident row at full context, capped at a share of the free memory."""
+    def _row_capacity(self, target, draft) -> int:
+        """Columns per row: `max_kv_tokens` / rows, or the model context (+ one round), capped so
+        that all rows of both models take at most a share of the free memory."""
+        if self.config.max_kv_tokens is not None:
+            return max(1, self.config.max_kv_tokens // self.rows)
         per_token = sum(_kv_bytes_per_token(m) for m in (target, draft) if m is not None)
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
@@ -101,8 +114,8 @@ class SpecEngine:
             import psutil
 
             free = psutil.virtual_memory().available
-        cap = self.config.effective_window * (self.context + self.gamma + 1)
-        return max(self.config.block_size, min(cap, int(KV_MEMORY_FRACTION * free / per_token)))
+        afford = int(KV_MEMORY_FRACTION * free / per_token) // self.rows
+        return max(1, min(self.context + self.gamma + 1, afford))
 
     # ----------------------------------------------------------------------------- requests
     def encode(self, prompt: str | Sequence[int], add_special_tokens: bool | None = None) -> list[int]:
@@ -136,10 +149,11 @@ class SpecEngine:
                 f"it needs {need} positions but the model context is {self.context}; shorten the prompt or "
                 "lower max_new_tokens"
             )
-        if -(-need // self.config.block_size) * self.config.block_size > self.kv_tokens:
+        if need > self.row_capacity:
             raise ValueError(f"{where} needs up to {need} KV tokens (prompt {len(ids)} + max_new_tokens "
-                             f"{params.max_new_tokens} + gamma {self.gamma}) but the KV budget is {self.kv_tokens} "
-                             "tokens; raise --max-kv-tokens or lower max_new_tokens")
+                             f"{params.max_new_tokens} + gamma {self.gamma}) but a row of the KV budget holds "
+                             f"{self.row_capacity} ({self.kv_tokens} tokens over {self.rows} rows); raise "
+                             "--max-kv-tokens or lower max_new_tokens")
         if params.stop and self.pair.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
         if self.drafter is not None and getattr(self.drafter, "synthetic", False) and not params.greedy:
@@ -184,7 +198,8 @@ class SpecEngine:
         return len(self.scheduler.resident)
 
     def kv_tokens_in_use(self) -> int:
-        return self.target.store.tokens_in_use()
+        """Target KV tokens committed by resident requests."""
+        return sum(r.kv_len.get("target", 0) for r in self.scheduler.resident)
 
     # ----------------------------------------------------------------------------- rounds
     def step(self) -> list[StepOutput]:
@@ -198,7 +213,7 @@ class SpecEngine:
         prefilling = [r for r in self.scheduler.resident if not r.prefilled]
         if prefilling:
             self._prefill(prefilling, stats)
-        batch = self._make_room(self.scheduler.next_batch(), stats)
+        batch = self._arrange(self.scheduler.next_batch(), stats)
         if batch:
             run_round(self, batch, stats)
         stats.peak_kv_tokens = self.kv_tokens_in_use()
@@ -236,65 +251,53 @@ class SpecEngine:
         return ended
 
     def _try_admit(self, req: Request) -> bool:
-        """Admit `req` if both models have room for its tokens plus one round (and a block of
-        headroom per resident row, so admissions do not force preemptions at once); reserves it."""
-        need = req.num_tokens + self.gamma + 1
-        headroom = len(self.scheduler.resident) * self.config.block_size
-        runners = [r for r in (self.target, self.draft_runner) if r is not None]
-        if not all(r.can_reserve(req, need + headroom) for r in runners):
+        """Give `req` a free row of the KV buffer (a row always holds a whole request: checked when
+        it was added)."""
+        if not self.slots.free:
             return False
-        for r in runners:
-            r.reserve(req, req.num_tokens)
+        req.slot = self.slots.take()
         return True
 
     def _prefill(self, reqs: list[Request], stats: RunStats) -> None:
         """One prefill chunk: at most max_prefill_tokens slots (rows x width) of prompt tokens."""
         todo = [r.num_tokens - 1 - r.kv_len.get("target", 0) for r in reqs]
         chunk = plan_prefill(todo, self.config.max_prefill_tokens)
-        rows = [(r, r.kv_len.get("target", 0) + n) for r, n in zip(reqs, chunk) if n > 0]
-        reqs, ends = [r for r, _ in rows], [e for _, e in rows]
+        rows = sorted(((r, n) for r, n in zip(reqs, chunk) if n > 0), key=lambda rn: rn[0].slot)
+        reqs, counts = [r for r, _ in rows], [n for _, n in rows]
+        ends = [r.kv_len.get("target", 0) + n for r, n in rows]
         with self.timer.stage("prefill"):
-            tail = self.target.begin(reqs, ends=ends)
-            if tail > 0:
-                self.target.feed(keep=1)
-            self.target.commit(reqs, [tail - cp for cp in self.target.layout.tail_pad])
+            self.target.feed(reqs, content_ids(reqs, ends, counts, self.device), counts, logits="none")
+            self.target.commit(reqs, counts)
             if self.drafter is not None:
                 self.drafter.prefill(reqs, ends)
         stats.prefill_forwards += 1
-        stats.prefill_tokens += sum(chunk)
+        stats.prefill_tokens += sum(counts)
 
-    def _make_room(self, batch: list[Request], stats: RunStats) -> list[Request]:
-        """Reserve KV for one more round of every batch row (committed + 1 + γ tokens). When the
-        budget is short, the most recently admitted resident requests are preempted: their KV is
-        dropped and they wait, ahead of everyone, to be recomputed."""
-        runners = [r for r in (self.target, self.draft_runner) if r is not None]
-        kept = []
-        for req in batch:
-            if req.finished or req not in self.scheduler.resident:
-                continue
-            need = req.num_tokens + self.gamma
-            while not all(r.can_reserve(req, need) for r in runners):
-                victim = self.scheduler.resident[-1]
-                self._preempt(victim, stats)
-                if victim is req:
-                    break
-            else:
-                for r in runners:
-                    r.reserve(req, need)
-                kept.append(req)
-        return [r for r in kept if r in self.scheduler.resident]
-
-    def _preempt(self, req: Request, stats: RunStats) -> None:
-        self._release(req)
-        self.scheduler.preempt(req)
-        req.stats.preempted += 1
-        stats.preemptions += 1
+    def _arrange(self, batch: list[Request], stats: RunStats) -> list[Request]:
+        """The batch in slot order, its rows first moved closer together if they are spread out
+        (only rows whose place in the batch changed are moved; see `sched.slots.arrange`)."""
+        if not batch:
+            return batch
+        by_slot = {r.slot: r for r in self.scheduler.resident}
+        pairs = arrange([r.slot for r in batch], set(by_slot))
+        if pairs:
+            for runner in (self.target, self.draft_runner):
+                if runner is not None:
+                    runner.move(pairs, [by_slot[src].kv_len.get(runner.name, 0) for src, _ in pairs])
+            for src, dst in pairs:
+                by_slot[src].slot = dst
+            self.slots.moved(pairs)
+            stats.moved_rows += len(pairs)
+        return sorted(batch, key=lambda r: r.slot)
 
     def _release(self, req: Request) -> None:
         self.target.release(req)
         if self.drafter is not None:
             self.drafter.release(req)
         req.kv_len.clear()
+        if req.slot is not None:
+            self.slots.give(req.slot)
+            req.slot = None
 
     def _end(self, req: Request) -> None:
         self.scheduler.finish(req)
@@ -411,7 +414,7 @@ class SpecEngine:
 
     def _baseline(self) -> SpecEngine:
         return SpecEngine(self.pair, EngineConfig(method="autoregressive", batch_size=self.config.batch_size,
-                                                  forward=self.config.forward, max_kv_tokens=self.kv_tokens))
+                                                  forward=self.config.forward))
 
 
 def _kv_bytes_per_token(model) -> int:

@@ -164,11 +164,11 @@ def distribution_check(pair: ModelPair, prompts: list[list[int]], params: Sampli
     for k, prompt in enumerate(prompts):
         exact = exact_first_two(pair, prompt, params, top)
         sp = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                             max_new_tokens=2, ignore_eos=True, seed=request_seed(seed, k * samples + i))
-              for i in range(samples)]
+                             max_new_tokens=2 + gamma, ignore_eos=True, seed=request_seed(seed, k * samples + i))
+              for i in range(samples)]  # 2 + γ tokens: the first round drafts the full γ
         counts = dict.fromkeys(exact, 0)
         for out in engine.generate([prompt] * samples, sp):
-            key = tuple(out.token_ids)
+            key = tuple(out.token_ids[:2])
             counts[key if key in counts else "other"] += 1
         keys = list(exact)
         distance = 0.5 * sum(abs(counts[b] / samples - exact[b]) for b in keys)

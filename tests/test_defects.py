@@ -8,26 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import VOCAB, make_model
+from tiny import make_model, run_rows
 
-from batchspec.core.batch_cache import BatchKV
 from batchspec.core.forward import HFForward, make_forward
-from batchspec.core.runner import kv_shape, layout_inputs
 from batchspec.sampling import BatchSampling, SamplingParams, draw_uniforms, make_generator, probabilities, sample
 from batchspec.verify.rejection import rejection_verify
 
 
 # ---------------------------------------------------------------- 1. lean forward after model.to()
 def prefill(forward, model, lengths=(5, 2, 7), seed=0):
-    """Logits of one left-padded prefill, and each row's first content column."""
-    gen = torch.Generator().manual_seed(seed)
-    layers, heads, head_dim = kv_shape(model)
-    rows, width = len(lengths), max(lengths)
-    kv = BatchKV(torch.zeros(layers, 2, heads, rows * width, head_dim, dtype=model.dtype), rows, width, 0)
-    start = torch.tensor([width - n for n in lengths])
-    ids = torch.randint(0, VOCAB, (rows, width), generator=gen)
-    mask, positions = layout_inputs(start, 0, width)
-    return forward(ids, mask, positions, kv, width, padded=True), start.tolist()
+    """Logits of one ragged prefill (rows of different lengths in one call), and the row lengths."""
+    first, _, lengths = run_rows(forward, model, list(lengths), 1, seed)
+    return first, lengths
 
 
 def test_lean_forward_follows_the_model_to_another_dtype():
@@ -43,8 +35,8 @@ def test_lean_forward_follows_the_model_to_another_dtype():
     for forward in (lean, make_forward(model, "lean")):  # the instance held from before, and a fresh lookup
         logits, _ = prefill(forward, model)
         assert logits.dtype == torch.float64
-        for i, s in enumerate(start):
-            torch.testing.assert_close(logits[i, s:], reference[i, s:], rtol=0, atol=1e-10)
+        for i, n in enumerate(start):
+            torch.testing.assert_close(logits[i, :n], reference[i, :n], rtol=0, atol=1e-10)
 
     # The modules' weights are views into the lean forward's (new, float64) fused matrices again.
     fused = make_forward(model, "lean").layers[0][1]
@@ -55,8 +47,8 @@ def test_lean_forward_follows_the_model_to_another_dtype():
     assert attn.v_proj.weight.data_ptr() == fused.weight[sum(fused.sizes[:2]):].data_ptr()
     # ... and the transformers modules of the moved model agree with the lean forward too.
     hf, _ = prefill(HFForward(model), model)
-    for i, s in enumerate(start):
-        torch.testing.assert_close(hf[i, s:], reference[i, s:], rtol=0, atol=1e-10)
+    for i, n in enumerate(start):
+        torch.testing.assert_close(hf[i, :n], reference[i, :n], rtol=0, atol=1e-10)
 
 
 # ---------------------------------------------------------------- 2. torch floor

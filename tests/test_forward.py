@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import VOCAB, make_model, prompts
+from tiny import VOCAB, make_model, prompts, run_rows
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from batchspec import EngineConfig, ModelPair, SamplingParams, SpecEngine
-from batchspec.core.batch_cache import BatchKV
 from batchspec.core.forward import HFForward, LeanForward, lean_unsupported, make_forward
-from batchspec.core.runner import kv_shape, layout_inputs
+from batchspec.core.runner import row_inputs
 
 
 def model_for(arch: str, dtype=torch.float32):
@@ -26,38 +25,33 @@ def model_for(arch: str, dtype=torch.float32):
     raise ValueError(arch)
 
 
-def run_layout(forward, model, lengths: list[int], extra: int, seed: int = 0):
-    """Prefill left-padded prompts of `lengths` in one call, then feed `extra` more tokens per row in
-    one call: the engine's two shapes of forward (padding inside the fed tail, then a multi-token
-    step over a padded cache). Returns (prefill logits, step logits)."""
-    gen = torch.Generator().manual_seed(seed)
-    layers, heads, head_dim = kv_shape(model)
-    rows, width = len(lengths), max(lengths)
-    capacity = width + extra
-    kv = BatchKV(torch.zeros(layers, 2, heads, rows * capacity, head_dim, dtype=model.dtype), rows, capacity, 0)
-    start = torch.tensor([width - n for n in lengths])
-    ids = torch.randint(0, VOCAB, (rows, width), generator=gen)
-    mask, positions = layout_inputs(start, 0, width)
-    first = forward(ids, mask, positions, kv, width, padded=True)
-    kv.advance(width)
-    more = torch.randint(0, VOCAB, (rows, extra), generator=gen)
-    mask, positions = layout_inputs(start, width, extra)
-    second = forward(more, mask, positions, kv, extra, padded=bool((start > 0).any()))
-    return first, second, start
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
 @pytest.mark.parametrize("lengths,extra", [([5, 1, 9, 3], 4), ([6, 6], 1), ([7], 3)])
 def test_lean_matches_transformers_modules(arch, lengths, extra):
     model = model_for(arch)
     assert lean_unsupported(model) is None
-    hf_first, hf_second, start = run_layout(HFForward(model), model, lengths, extra)
-    lean_first, lean_second, _ = run_layout(LeanForward(model), model, lengths, extra)
-    for i, s in enumerate(start.tolist()):  # padding columns' logits are meaningless; content must agree
-        torch.testing.assert_close(lean_first[i, s:], hf_first[i, s:], rtol=1e-5, atol=1e-5)
-        assert torch.equal(lean_first[i, s:].argmax(-1), hf_first[i, s:].argmax(-1))
+    hf_first, hf_second, lengths = run_rows(HFForward(model), model, lengths, extra)
+    lean_first, lean_second, _ = run_rows(LeanForward(model), model, lengths, extra)
+    for i, n in enumerate(lengths):  # padding columns' logits are meaningless; content must agree
+        torch.testing.assert_close(lean_first[i, :n], hf_first[i, :n], rtol=1e-5, atol=1e-5)
+        assert torch.equal(lean_first[i, :n].argmax(-1), hf_first[i, :n].argmax(-1))
     torch.testing.assert_close(lean_second, hf_second, rtol=1e-5, atol=1e-5)
-    assert torch.isfinite(lean_second).all()  # no NaN leaks from padding queries through the cache
+    assert torch.isfinite(lean_second).all()  # no NaN leaks from padding columns through the cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_rows_match_each_row_run_alone(arch):
+    """Each row of a ragged batch gets the logits it gets when it runs alone, unpadded."""
+    model = model_for(arch)
+    forward = make_forward(model)
+    lengths, extra = [5, 1, 9, 3], 2
+    gen = torch.Generator().manual_seed(1)
+    ids, more = torch.randint(0, VOCAB, (4, 9), generator=gen), torch.randint(0, VOCAB, (4, extra), generator=gen)
+    first, second, _ = run_rows(forward, model, lengths, extra, ids=ids, more=more)
+    for i, n in enumerate(lengths):
+        alone_first, alone_second, _ = run_rows(forward, model, [n], extra, ids=ids[i:i + 1, :n], more=more[i:i + 1])
+        torch.testing.assert_close(first[i, :n], alone_first[0, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(second[i], alone_second[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
@@ -73,14 +67,11 @@ def test_greedy_tokens_equal_through_either_forward(arch):
     assert outs["lean"] == outs["hf"]
 
 
-def test_attention_mask_example():
-    mask = torch.tensor([[False, True, True, True]])
-    visible = LeanForward.attention_mask(mask, width=2, n=2)
-    assert visible.tolist() == [[[[False, True, True, False], [False, True, True, True]]]]
-    # a padding query (column 0 of a row whose content starts at column 1) still sees itself
-    visible = LeanForward.attention_mask(torch.tensor([[False, True]]), width=0, n=2)
-    assert visible[0, 0].tolist() == [[True, False], [False, True]]
-    assert LeanForward.attention_mask(torch.ones(3, 5, dtype=torch.bool), 4, 1, padded=False) is None
+def test_row_inputs_docstring_example():
+    positions, visible = row_inputs([3, 5], 2, 6, "cpu")
+    assert positions.tolist() == [[3, 4], [5, 6]]
+    assert visible[:, 0].int().tolist() == [[[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0]],
+                                            [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]]
 
 
 def test_forward_choice():

@@ -1,6 +1,7 @@
-"""Properties of the batch layout: after every round's realignment each row's content is
-right-aligned to one width, positions count 0..len-1 over content, padding is masked, and each
-row's KV equals that row computed alone."""
+"""Properties of the KV layout (core/rows.py): after any sequence of joins, rounds that feed rows
+different numbers of tokens and keep a prefix of them (rejection), leaves and row moves, each
+row's visible KV equals that row computed alone, positions run 0..len-1 over its content, and
+nothing beyond its length is visible."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from hypothesis import strategies as st
 from tiny import VOCAB, make_model
 from transformers import DynamicCache
 
-from batchspec.core.kv_store import KVStore
 from batchspec.core.request import Request
-from batchspec.core.runner import ModelRunner, layout_inputs
+from batchspec.core.rows import RowKV
+from batchspec.core.runner import ModelRunner, row_inputs
 from batchspec.sampling import SamplingParams
+from batchspec.sched.slots import SlotTable, arrange, is_tight
 
 MODEL = make_model("llama", 32, 2, seed=0, dtype=torch.float64)
-GAMMA = 3
+ROWS, CAPACITY = 6, 48
 
 
 def alone_kv(tokens: list[int]) -> list[torch.Tensor]:
@@ -29,117 +31,111 @@ def alone_kv(tokens: list[int]) -> list[torch.Tensor]:
     return [layer.keys[0] for layer in cache.layers]
 
 
-def check_round_boundary(runner: ModelRunner, reqs: list[Request]) -> None:
-    lay, kv = runner.layout, runner.kv
-    total = lay.width + lay.tail
-    mask, positions = layout_inputs(lay.start, lay.width, lay.tail)
-    for i, r in enumerate(reqs):
-        content = r.kv_len["target"] + 1  # committed KV + the newest token, fed now
-        assert lay.kept[i] == r.kv_len["target"] and lay.tail == 1
-        row = mask[i].tolist()
-        assert row == [False] * (total - content) + [True] * content  # right-aligned, padding masked
-        assert positions[i].tolist() == [content - 1]  # the newest token sits at position len - 1
-        start = int(lay.start[i])
-        assert start == total - content
-        if lay.kept[i] == 0:
+def check_rows(runner: ModelRunner, reqs: list[Request]) -> None:
+    for r in reqs:
+        n = r.kv_len.get("target", 0)
+        assert n == len(r.token_ids)  # every committed token is content, in order
+        if n == 0:
             continue
-        alone = alone_kv(r.token_ids[: lay.kept[i]])
-        for layer, keys in enumerate(alone):
-            got = kv.view[layer, 0][i, :, start:lay.width]
+        for layer, keys in enumerate(alone_kv(r.token_ids)):
+            got = runner.kv.data[layer, 0, r.slot, :, :n]
             torch.testing.assert_close(got, keys, rtol=0, atol=1e-9)
+    if reqs:  # what the next feed of one token per row would see
+        starts = [r.kv_len.get("target", 0) for r in reqs]
+        positions, visible = row_inputs(starts, 1, max(starts) + 1, "cpu")
+        for i, s in enumerate(starts):
+            assert positions[i].tolist() == [s]
+            assert visible[i, 0, 0].tolist() == [True] * (s + 1) + [False] * (max(starts) - s)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(lengths=st.lists(st.integers(1, 24), min_size=1, max_size=5),
-       accepts=st.lists(st.lists(st.integers(0, GAMMA), min_size=5, max_size=5), min_size=1, max_size=4),
-       seed=st.integers(0, 10**6))
-def test_realignment_invariants(lengths, accepts, seed):
+operation = st.one_of(
+    st.tuples(st.just("join"), st.integers(1, 12)),
+    st.tuples(st.just("round"), st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 3)),
+                                         min_size=ROWS, max_size=ROWS)),
+    st.tuples(st.just("leave"), st.integers(0, ROWS - 1)),
+    st.tuples(st.just("gather"), st.lists(st.booleans(), min_size=ROWS, max_size=ROWS)),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(operation, min_size=1, max_size=14), seed=st.integers(0, 10**6))
+def test_rows_stay_exact_through_rounds_joins_leaves_and_moves(ops, seed):
     rng = random.Random(seed)
-    runner = ModelRunner(MODEL, "target", VOCAB, block_size=4, debug=True)
-    reqs = [Request(i, [rng.randrange(VOCAB) for _ in range(n)], SamplingParams(), frozenset())
-            for i, n in enumerate(lengths)]
-    tail = runner.begin(reqs, leave=1)
-    if tail:
-        runner.feed(keep=1)
-    runner.commit(reqs, [tail - cp for cp in runner.layout.tail_pad])
-    for accepted in accepts:
-        runner.begin(reqs, extra=GAMMA)
-        check_round_boundary(runner, reqs)
-        drafts = torch.tensor([[rng.randrange(VOCAB) for _ in range(GAMMA)] for _ in reqs])
-        runner.feed(extra=drafts, keep=GAMMA + 1)
-        acc = accepted[: len(reqs)] + [0] * (len(reqs) - len(accepted))
-        runner.commit(reqs, [1 + a for a in acc])
-        for r, row, a in zip(reqs, drafts.tolist(), acc):
-            r.token_ids.extend(row[:a] + [rng.randrange(VOCAB)])  # accepted drafts + a bonus token
-    runner.begin(reqs, extra=GAMMA)
-    check_round_boundary(runner, reqs)
+    runner = ModelRunner(MODEL, "target", VOCAB, rows=ROWS, capacity=CAPACITY, debug=True)
+    slots, resident, next_id = SlotTable(ROWS), [], 0
+    for op, arg in ops:
+        if op == "join" and slots.free:
+            req = Request(next_id, [], SamplingParams(), frozenset())
+            next_id += 1
+            req.slot = slots.take()
+            prompt = [rng.randrange(VOCAB) for _ in range(arg)]
+            runner.feed([req], torch.tensor([prompt]), [arg], logits="none")
+            runner.commit([req], [arg])
+            req.token_ids.extend(prompt)
+            resident.append(req)
+        elif op == "round" and resident:
+            picks = [(r, g, k) for r, (take, g, k) in zip(resident, arg) if take]
+            picks = sorted(picks or [(resident[0], 1, 0)], key=lambda p: p[0].slot)
+            picks = [(r, g, k) for r, g, k in picks if len(r.token_ids) + 1 + g <= CAPACITY]
+            if not picks:
+                continue
+            batch = [r for r, _, _ in picks]
+            counts = [1 + g for _, g, _ in picks]  # the newest token + g drafts, per row
+            fed = [[rng.randrange(VOCAB) for _ in range(c)] for c in counts]
+            ids = torch.tensor([f + [0] * (max(counts) - len(f)) for f in fed])
+            runner.feed(batch, ids, counts, logits="all")
+            keep = [1 + min(k, g) for _, g, k in picks]  # a prefix survives verification
+            runner.commit(batch, keep)
+            for r, f, k in zip(batch, fed, keep):
+                r.token_ids.extend(f[:k])
+        elif op == "leave" and resident:
+            req = resident.pop(arg % len(resident))
+            runner.release(req)
+            slots.give(req.slot)
+        elif op == "gather" and resident:
+            batch = [r for r, take in zip(resident, arg) if take] or resident[:1]
+            pairs = arrange([r.slot for r in batch], {r.slot for r in resident})
+            by_slot = {r.slot: r for r in resident}
+            runner.move(pairs, [len(by_slot[src].token_ids) for src, _ in pairs])
+            for src, dst in pairs:
+                by_slot[src].slot = dst
+            slots.moved(pairs)
+            assert sorted(slots._free) == sorted(set(range(ROWS)) - {r.slot for r in resident})
+            assert is_tight(sorted(r.slot for r in batch))
+        check_rows(runner, resident)
 
 
-@settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=6), block=st.integers(1, 8),
-       room=st.integers(0, 5))
-def test_gather_index_lays_rows_right_aligned(lengths, block, room):
-    store = KVStore(1, 1, 1, torch.float64, "cpu", block_size=block, num_blocks=1 + 6 * (40 // block + 1))
-    for key, n in enumerate(lengths):  # interleave reservations so block tables are fragmented
-        store.reserve(key, n // 2)
-    for key, n in enumerate(lengths):
-        store.reserve(key, n)
-        if n:
-            codes = torch.tensor([1000.0 * (key + 1) + p for p in range(n)], dtype=torch.float64)
-            values = codes.view(1, 1, 1, n, 1).expand(1, 2, 1, n, 1).contiguous()  # keys and values alike
-            store.write(torch.tensor(store.slots(key, 0, n)), values)
-    width = max(lengths)
-    index = store.gather_index(list(range(len(lengths))), lengths, width, width + room)
-    got = store.gather(index)[0, 1].view(len(lengths), width + room)  # the values
-    for key, n in enumerate(lengths):
-        expect = [0.0] * (width - n) + [1000.0 * (key + 1) + p for p in range(n)] + [0.0] * room
-        assert got[key].tolist() == expect
+def test_arrange_docstring_example():
+    assert arrange([1, 6], {1, 2, 3, 4, 5, 6}) == [(6, 0)]
+    assert arrange([0, 1], {0, 1, 5}) == []
+    assert arrange([2, 3, 4, 9], {0, 1, 2, 3, 4, 9}) == [(4, 0), (0, 4), (9, 1), (1, 9)]
 
 
-def test_layout_inputs_docstring_example():
-    mask, positions = layout_inputs(torch.tensor([2, 0]), 3, 2)
-    assert mask.int().tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
-    assert positions.tolist() == [[1, 2], [3, 4]]
+def test_unwritten_columns_are_never_read_as_nan():
+    """The buffer starts uninitialised; columns a forward reads are zeroed first, so masked keys
+    can never be NaN (0 x NaN would poison the row)."""
+    kv = RowKV(1, 1, 2, rows=2, capacity=8, dtype=torch.float64, device="cpu")
+    kv.data.fill_(float("nan"))
+    kv.make_clean([1], 5)
+    assert torch.isfinite(kv.data[:, :, 1, :, :5]).all() and kv.clean == [0, 5]
+    kv.move([(1, 0)], [3])  # 3 columns copied: row 0 is clean up to there, and no further
+    assert kv.clean[0] == 3 and torch.isfinite(kv.data[:, :, 0, :, :3]).all()
 
 
-def test_uniform_acceptance_reuses_the_buffer():
-    """Rows that all advance by the same amount need no gather (no realignment)."""
-    runner = ModelRunner(MODEL, "target", VOCAB, block_size=4)
-    reqs = [Request(i, list(range(1, n + 1)), SamplingParams(), frozenset()) for i, n in enumerate([3, 7, 5])]
-    runner.begin(reqs, leave=1)
-    runner.feed(keep=1)
-    runner.commit(reqs, [2, 6, 4])
-    gathers = runner.stats.gathers
-    for _ in range(4):
-        runner.begin(reqs)
-        runner.feed(keep=1)
-        runner.commit(reqs, [1, 1, 1])
-        for r in reqs:
-            r.token_ids.append(7)
-    assert runner.stats.gathers == gathers  # the prefill's buffer is already aligned: no gather at all
-    runner.begin(reqs, extra=GAMMA)
-    runner.feed(extra=torch.zeros(3, GAMMA, dtype=torch.long), keep=GAMMA + 1)
-    runner.commit(reqs, [1, 3, 2])  # ragged: the next round must realign
-    for r, a in zip(reqs, [0, 2, 1]):
-        r.token_ids.extend([7] * (a + 1))
-    runner.begin(reqs)
-    assert runner.stats.gathers == gathers + 1 and runner.last_layout.padded_rows > 0
-
-
-def test_replaced_batch_buffers_are_freed_at_once():
-    """A BatchKV must not sit in a reference cycle: buffers replaced every few rounds would
-    otherwise pile up until the cyclic collector runs (it once took a long run to 24 GB)."""
-    import gc
-    import weakref
-
-    from batchspec.core.batch_cache import BatchKV
-
-    gc.disable()
-    try:
-        kv = BatchKV(torch.zeros(2, 2, 1, 3 * 8, 4), rows=3, capacity=8, width=2)
-        kv.layers[0].update(torch.ones(3, 1, 1, 4), torch.ones(3, 1, 1, 4))
-        buf, cache = weakref.ref(kv.buf), weakref.ref(kv)
-        del kv
-        assert cache() is None and buf() is None
-    finally:
-        gc.enable()
+def test_a_request_leaving_touches_no_other_row():
+    runner = ModelRunner(MODEL, "target", VOCAB, rows=3, capacity=16)
+    reqs = [Request(i, [], SamplingParams(), frozenset()) for i in range(3)]
+    for s, r in enumerate(reqs):
+        r.slot = s
+        runner.feed([r], torch.tensor([[1 + s, 2, 3]]), [3], logits="none")
+        runner.commit([r], [3])
+        r.token_ids.extend([1 + s, 2, 3])
+    before = runner.kv.data.clone()
+    runner.release(reqs[1])
+    assert torch.equal(runner.kv.data, before)
+    runner.feed([reqs[0], reqs[2]], torch.tensor([[5], [6]]), [1, 1])  # slot 1 idle inside the range
+    runner.commit([reqs[0], reqs[2]], [1, 1])
+    assert torch.equal(runner.kv.data[:, :, 1], before[:, :, 1]) and runner.stats.idle_rows == 1
+    for r, t in zip((reqs[0], reqs[2]), (5, 6)):
+        r.token_ids.append(t)
+    check_rows(runner, [reqs[0], reqs[2]])

@@ -48,14 +48,15 @@ def exact_joint(sp: SamplingParams) -> torch.Tensor:
 
 
 def samples(sp: SamplingParams, method: str, batch_size: int, gamma: int, seed: int = 0) -> torch.Tensor:
-    """N seeded samples of (t1, t2) from the engine: [N, 2]."""
+    """N seeded samples of (t1, t2) from the engine: [N, 2]. Each request generates 2 + γ tokens
+    so that its first round drafts the full γ (a row drafts no more than it can still emit)."""
     target, draft = models()
     engine = SpecEngine(ModelPair(target, draft, None, V, ()),
                         EngineConfig(method=method, batch_size=batch_size, gamma=gamma))
-    params = [SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, max_new_tokens=2,
+    params = [SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, max_new_tokens=2 + gamma,
                              seed=request_seed(seed, i)) for i in range(N)]
     outs = engine.generate([PROMPT] * N, params)
-    return torch.tensor([o.token_ids for o in outs])
+    return torch.tensor([o.token_ids[:2] for o in outs])
 
 
 def chi_square(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
@@ -88,15 +89,17 @@ def test_speculative_sampling_matches_the_target(sp, method, bs, gamma):
 def test_acceptance_is_ragged_in_the_sampling_tests():
     target, draft = models()
     engine = SpecEngine(ModelPair(target, draft, None, V, ()), EngineConfig(method="eqspec", batch_size=16, gamma=3))
-    engine.generate([PROMPT] * 256, [SamplingParams(temperature=1.0, max_new_tokens=2, seed=i) for i in range(256)])
+    engine.generate([PROMPT] * 256, [SamplingParams(temperature=1.0, max_new_tokens=5, seed=i) for i in range(256)])
     hist = engine.stats.accept_hist
     assert hist[0] > 0 and hist[1] > 0 and 0.2 < engine.stats.accepted / engine.stats.drafted < 0.9
 
 
 # ---------------------------------------------------------------------------- negative controls
-def bonus_from_draft(p, q, drafts, u_accept, u_final):
+def bonus_from_draft(p, q, drafts, u_accept, u_final, lengths=None):
     """The bug of several public implementations: the final token comes from the draft's q."""
-    res = rejection_verify(p, q, drafts, u_accept, u_final)
+    res = rejection_verify(p, q, drafts, u_accept, u_final, lengths)
+    if q is None:  # a round without drafts (rows about to finish): nothing to get wrong
+        return res
     rows = torch.arange(len(drafts))
     j = res.accepted.clamp(max=drafts.shape[1] - 1)
     tokens = res.tokens.clone()
@@ -104,30 +107,32 @@ def bonus_from_draft(p, q, drafts, u_accept, u_final):
     return VerifyResult(res.accepted, tokens)
 
 
-def _redraw_recovered(p, q, drafts, u_accept, u_final, draw):
+def _redraw_recovered(p, q, drafts, u_accept, u_final, lengths, draw):
     """The correct verifier, except that each recovered token is `draw(p - q, u)` instead."""
-    res = rejection_verify(p, q, drafts, u_accept, u_final)
+    res = rejection_verify(p, q, drafts, u_accept, u_final, lengths)
+    if q is None:
+        return res
     rows = torch.arange(len(drafts))
     gamma = drafts.shape[1]
     j = res.accepted.clamp(max=gamma - 1)
     wrong = draw(p[rows, j] - q[rows, j], u_final)
     tokens = res.tokens.clone()
-    rejected = res.accepted < gamma
+    rejected = res.accepted < (lengths if lengths is not None else gamma)
     tokens[rows[rejected], res.accepted[rejected]] = wrong[rejected]
     return VerifyResult(res.accepted, tokens)
 
 
-def residual_unclamped(p, q, drafts, u_accept, u_final):
+def residual_unclamped(p, q, drafts, u_accept, u_final, lengths=None):
     """Recovered token drawn from p - q without max(0, .)."""
-    return _redraw_recovered(p, q, drafts, u_accept, u_final, sample)
+    return _redraw_recovered(p, q, drafts, u_accept, u_final, lengths, sample)
 
 
-def residual_unnormalised(p, q, drafts, u_accept, u_final):
+def residual_unnormalised(p, q, drafts, u_accept, u_final, lengths=None):
     """Recovered token drawn by inverse CDF from the residual as if it summed to 1."""
     def draw(residual, u):
         cdf = residual.clamp(min=0).cumsum(-1).contiguous()
         return torch.searchsorted(cdf, u.unsqueeze(-1).contiguous(), right=True).squeeze(-1).clamp(max=V - 1)
-    return _redraw_recovered(p, q, drafts, u_accept, u_final, draw)
+    return _redraw_recovered(p, q, drafts, u_accept, u_final, lengths, draw)
 
 
 @pytest.mark.parametrize("broken", [bonus_from_draft, residual_unclamped, residual_unnormalised])

@@ -95,3 +95,29 @@ def oracle_engine(p: ModelPair, refs: dict, config: EngineConfig, with_cost: boo
     cost = DraftModelDrafter(engine.draft_runner) if with_cost else None
     engine.drafter = OracleDrafter(refs, ragged_mismatch(config.gamma), p.vocab_size, engine.device, cost)
     return engine
+
+
+def run_rows(forward, model, lengths: list[int], extra: int, seed: int = 0, ids=None, more=None):
+    """Feed rows of the KV layout as the engine does, through `forward`: first each row's prompt
+    of lengths[i] tokens in one call (rows of different lengths: right padding inside the call),
+    then `extra` more tokens per row in a second call, each row at its own offset. Returns
+    (first logits [rows, max length, V], second logits [rows, extra, V], lengths); only columns
+    < lengths[i] of the first are real. `ids` [rows, max length] and `more` [rows, extra] fix the
+    tokens (default: random, seeded)."""
+    from batchspec.core.rows import RowBatch, RowKV
+    from batchspec.core.runner import kv_shape, row_inputs
+
+    gen = torch.Generator().manual_seed(seed)
+    layers, heads, head_dim = kv_shape(model)
+    rows, width = len(lengths), max(lengths)
+    kv = RowKV(layers, heads, head_dim, rows, width + extra, model.dtype, model.device)
+    kv.make_clean(list(range(rows)), width + extra)
+    ids = torch.randint(0, VOCAB, (rows, width), generator=gen) if ids is None else ids
+    batch = RowBatch(kv, list(range(rows)), [0] * rows, lengths)
+    positions, visible = row_inputs([0] * rows, width, batch.width, model.device)
+    first = forward(ids, positions, batch, visible)
+    more = torch.randint(0, VOCAB, (rows, extra), generator=gen) if more is None else more
+    batch = RowBatch(kv, list(range(rows)), lengths, [extra] * rows)
+    positions, visible = row_inputs(lengths, extra, batch.width, model.device)
+    second = forward(more, positions, batch, visible)
+    return first, second, lengths

@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from ..core.batch_cache import BatchKV
 from ..core.forward import make_forward
-from ..core.runner import kv_shape
+from ..core.rows import RowBatch, RowKV
+from ..core.runner import kv_shape, row_inputs
 
 
 def ideal_speedup(alpha: float, gamma: int, c: float, v: float) -> float:
@@ -35,19 +35,18 @@ def step_time(model, batch: int, context: int, tokens: int, repeats: int = 7, fo
     layers, heads, head_dim = kv_shape(model)
     capacity = context + tokens
     gen = torch.Generator(device="cpu").manual_seed(0)
-    buf = torch.randn(layers, 2, heads, batch * capacity, head_dim, generator=gen).to(model.device, model.dtype)
-    kv = BatchKV(buf, batch, capacity, context)
+    kv = RowKV(layers, heads, head_dim, batch, capacity, model.dtype, model.device)
+    kv.data.copy_(torch.randn(kv.data.shape, generator=gen))
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (batch, tokens), generator=gen).to(model.device)
-    mask = torch.ones(batch, capacity, dtype=torch.bool, device=model.device)
-    positions = (torch.arange(context, capacity, device=model.device)[None, :]).expand(batch, -1)
+    positions, visible = row_inputs([context] * batch, tokens, capacity, model.device)
     times = []
     for i in range(repeats + 2):
-        kv.width = context
+        rows = RowBatch(kv, list(range(batch)), [context] * batch, [tokens] * batch)
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         start = time.perf_counter()
-        run(ids, mask, positions, kv, tokens, padded=False)
+        run(ids, positions, rows, visible if tokens > 1 else None)
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         if i >= 2:  # warm-up

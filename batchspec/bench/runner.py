@@ -199,9 +199,9 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
             hist = Counter()
             for r in rs:
                 hist.update({int(k): v for k, v in r.stats["accept_hist"].items()})
-            row.update({k: stats[k] for k in ("acceptance_rate", "tokens_per_round", "time_share", "grouping_rate",
-                                              "realigned_rows_per_round", "padding_tokens_per_round",
-                                              "mean_batch_occupancy", "preemptions", "peak_kv_tokens",
+            row.update({k: stats[k] for k in ("acceptance_rate", "tokens_per_round", "time_share",
+                                              "idle_rows_per_round", "padding_tokens_per_round",
+                                              "mean_batch_occupancy", "moved_rows_per_round", "peak_kv_tokens",
                                               "prefill_forwards")})
             row["accept_hist"] = {str(k): hist[k] for k in sorted(hist)}
         if cell.method in ("eqspec", "exspec") and (cell.batch_size, cell.gamma, fwd) in costs:

@@ -15,12 +15,13 @@ Two implementations behind one call signature, `forward(ids, mask, positions, kv
   every call checks that the modules' weights are still views into the fused matrices (one data
   pointer per fused linear) and re-fuses when they are not.
 
-Inputs (as `core.runner.layout_inputs` builds them), with w = kv.width committed columns and n
-fed columns per row:
-    ids        [B, n]       tokens fed this call
-    mask       [B, w + n]   True over each row's content (left padding is False)
-    positions  [B, n]       position ids of the fed columns
-    padded     False when no row has padding (known from the layout, so no device sync is needed)
+Inputs (as `core.runner.ModelRunner.feed` builds them), for b rows fed n columns each:
+    ids        [b, n]             tokens fed this call (padding columns hold any id)
+    positions  [b, n]             position ids, per row
+    kv         core.rows.RowBatch the rows' KV: writes each row's real tokens at its own offset
+    visible    [b, 1, n, T] bool  which key columns each query sees (None: all of them)
+    select     None: logits for every fed column [b, n, V]; a LongTensor [b]: one column per row
+               [b, V]; False: no logits (prefill)
 """
 
 from __future__ import annotations
@@ -40,11 +41,16 @@ class HFForward:
     def __init__(self, model) -> None:
         self.model = model
 
-    def __call__(self, ids, mask, positions, kv, keep: int, padded: bool = True) -> torch.Tensor:
+    def __call__(self, ids, positions, kv, visible, select=None) -> torch.Tensor | None:
+        # transformers takes a prepared 4-D mask as it is; an additive float mask suits eager and sdpa alike
+        dtype = self.model.dtype
+        if visible is None:
+            visible = torch.ones(ids.shape[0], 1, ids.shape[1], kv.width, dtype=torch.bool, device=ids.device)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=ids.device).masked_fill_(~visible, torch.finfo(dtype).min)
         with torch.no_grad():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             past_key_values=kv, use_cache=True, logits_to_keep=keep)
-        return out.logits
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv,
+                             use_cache=True, logits_to_keep=1 if select is False else 0)
+        return _select(out.logits, select)
 
 
 def lean_unsupported(model) -> str | None:
@@ -180,35 +186,16 @@ class LeanForward:
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-    @staticmethod
-    def attention_mask(mask: torch.Tensor, width: int, n: int, padded: bool = True) -> torch.Tensor | None:
-        """[B, 1, n, w + n] boolean mask: fed column j sees content columns up to w + j, and
-        always itself, so a padding query never has an empty row (some attention kernels return
-        NaN there, which would reach real rows through the cache as 0 * NaN). None when no row
-        has padding and one column is fed (every key is visible).
-
-        Example, w = 2, n = 2, row mask [0, 1, 1, 1]:
-            query w+0: [0, 1, 1, 0]
-            query w+1: [0, 1, 1, 1]
-        """
-        if n == 1 and not padded:
-            return None
-        cols = torch.arange(width + n, device=mask.device)
-        last = width + torch.arange(n, device=mask.device)[:, None]  # [n, 1]
-        visible = (mask[:, None, :] & (cols[None] <= last)) | (cols[None] == last)  # [B, n, w + n]
-        return visible[:, None]
-
-    def __call__(self, ids, mask, positions, kv, keep: int, padded: bool = True) -> torch.Tensor:
+    def __call__(self, ids, positions, kv, visible, select=None) -> torch.Tensor | None:
         if self.stale():
             self._build()
         with torch.no_grad():
-            return self._forward(ids, mask, positions, kv, keep, padded)
+            return self._forward(ids, positions, kv, visible, select)
 
-    def _forward(self, ids, mask, positions, kv, keep: int, padded: bool) -> torch.Tensor:
+    def _forward(self, ids, positions, kv, visible, select) -> torch.Tensor | None:
         batch, n = ids.shape
         x = F.embedding(ids, self.embed)  # [B, n, hidden]
-        cos, sin = self._rope(positions, kv.width + n, x.dtype)  # positions < w + n
-        visible = self.attention_mask(mask, kv.width, n, padded)
+        cos, sin = self._rope(positions, kv.width + n, x.dtype)  # positions < T + n (padding columns included)
         heads = self.heads
         for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):
             qkv_out = qkv(ln1(x)).view(batch, n, -1, self.head_dim)  # [B, n, q + k + v heads, D]
@@ -219,13 +206,28 @@ class LeanForward:
                 q, k, v = qkv_out.split(heads, dim=2)
                 q, k = self._rotate(q_norm(q), cos, sin), self._rotate(k_norm(k), cos, sin)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, n, head_dim]
-            keys, values = kv.write(index, k, v)  # [B, kv_heads, w + n, head_dim]
+            keys, values = kv.write(index, k, v)  # [B, kv_heads, T, head_dim]
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scaling,
                                                enable_gqa=keys.shape[1] != q.shape[1])
             x = x + _linear(a.transpose(1, 2).reshape(batch, n, -1), o_proj)
             gate, up = gate_up(ln2(x)).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, down)
-        return _linear(self.norm(x[:, -keep:]), self.head)
+        if select is False:
+            return None
+        if select is not None:
+            x = x[torch.arange(batch, device=x.device), select][:, None]  # [B, 1, hidden]
+        return _select(_linear(self.norm(x), self.head), None if select is None else 0)
+
+
+def _select(logits: torch.Tensor, select) -> torch.Tensor | None:
+    """logits [B, n, V] -> all of them (None), one column per row (LongTensor [B] or an int), none (False)."""
+    if select is False:
+        return None
+    if select is None:
+        return logits
+    if isinstance(select, int):
+        return logits[:, select]
+    return logits[torch.arange(logits.shape[0], device=logits.device), select]
 
 
 _LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per model: its fused weights

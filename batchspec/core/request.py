@@ -24,7 +24,6 @@ class RequestStats:
     rounds: int = 0  # target forward passes this request took part in (prefill excluded)
     drafted: int = 0  # draft tokens proposed for it
     accepted: int = 0  # draft tokens the target accepted
-    preempted: int = 0  # times its KV was dropped for lack of room (and recomputed later)
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,6 +52,7 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     generator: Any = None  # torch.Generator for sampled requests, None for greedy ones
     text: Any = None  # core.detok.TextStream when the engine has a tokenizer
+    slot: int | None = None  # its row in every model's KV buffer while resident (core/rows.py)
     prompt_len: int = 0
     reported: int = 0
 

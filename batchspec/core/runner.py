@@ -1,24 +1,19 @@
 """The model runner: the one place that turns requests into input ids, masks and positions.
 
-Each round a runner lays a batch out right-aligned to one width. With n_i tokens to cover for
-row i, k_i of them already in the KV cache and c tokens fed this round (the same c for every
-row), row i starts at column s_i and its position ids are 0..len-1 over its content:
+The request record holds the truth: `req.slot` is its row in the model's `RowKV` (see
+`core/rows.py`) and `req.kv_len[model]` how many of its tokens that row has committed. A round
+feeds each row its own number of tokens, written at its own offset; committing keeps a prefix
+of what was fed, so rejecting drafts is only a length change.
 
-    width w = max k_i,  pad p_i = w - k_i,  columns [0, w + c + extra)
+A forward runs over the contiguous slot range [lo, hi) that holds the batch; slots in the range
+that are not in the batch (free rows, or exspec rows not chosen this round) are fed nothing:
+their query columns are computed and ignored, and nothing of theirs is written.
 
-    row 0: k=3, feeds 1    . . P P P | T | D D       P = KV from earlier rounds
-    row 1: k=5, feeds 1    P P P P P | T | D D       T = the newest committed token
-    row 2: k=0 (new), 1    . . . . . | T | D D       D = extra tokens (drafts)
-                           s_0 = 2, s_1 = 0, s_2 = 5; position of column x = x - s_i
+Example, batch rows at slots 0 and 2, slot 1 not in the batch, n = 2 columns fed:
 
-When rows feed different numbers of tokens, c is their maximum and a row with fewer re-feeds
-its latest committed tokens (their KV is recomputed), so the layout stays rectangular without
-holes; a row with fewer than c tokens in all (a short prompt) is left-padded instead.
-
-Realignment — moving each row's KV to its new offset after ragged acceptance — is one
-`index_select` from the paged KV store for the whole model. It is skipped when the previous
-round's buffer is already aligned (every row advanced by the same amount, as in plain
-decoding or when all rows accept the same number of drafts).
+    slot 0: kv_len 3, feeds [a, b]     positions [3, 4]   mask row 0 sees c <= 3 + j
+    slot 1: (not in the batch)         fed [0, 0], nothing written, output ignored
+    slot 2: kv_len 5, feeds [c]        positions [5, 6]   (column 1 is padding, not written)
 """
 
 from __future__ import annotations
@@ -29,61 +24,21 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .batch_cache import BatchKV
+from ..sched.slots import is_tight
 from .forward import make_forward
-from .kv_store import KVStore
 from .request import Request
-
-HEADROOM = 32  # spare columns gathered so that aligned rounds can reuse the buffer
-
-
-@dataclass
-class AlignStats:
-    """How often and how much a runner had to realign (for the benchmark's overhead anatomy)."""
-
-    begins: int = 0  # batches laid out
-    gathers: int = 0  # ... of which needed a gather from the store (a realignment)
-    padded_rows: int = 0  # rows laid out with left padding in a gather
-    padding_tokens: int = 0  # padding columns in all laid-out batches
-    gathered_tokens: int = 0  # token slots copied by gathers
+from .rows import RowBatch, RowKV
 
 
 @dataclass
-class BeginInfo:
-    """What the last `begin()` cost: a gather, and how many rows it had to pad (realign)."""
+class LayoutStats:
+    """What batches cost in layout work (for the benchmark's overhead anatomy)."""
 
-    gathered: bool = False
-    padded_rows: int = 0  # rows shifted by left padding in a gather; 0 when the buffer was reused
-    padding: int = 0  # padding columns in the layout
-
-
-@dataclass
-class _Layout:
-    rids: tuple[int, ...]
-    width: int  # w: committed KV columns
-    tail: int  # c: tokens fed from the requests' content this round (same for all rows)
-    kept: list[int]  # k_i: committed KV entries kept per row
-    first: list[int]  # s_i = p_i + cp_i: first content column per row
-    tail_pad: list[int]  # cp_i: padding inside the tail (rows shorter than c)
-    tail_ids: torch.Tensor  # [B, c] left-padded tail tokens
-    start: torch.Tensor  # [B] s_i on the device
-    fed: int = 0  # columns fed since begin()
-    extra_budget: int = 0
-    committed: list[int] | None = None  # k_i + keep_i after commit()
-
-
-def layout_inputs(start: torch.Tensor, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention mask [B, first + n] and position ids [B, n] for feeding columns [first, first + n)
-    of rows whose content starts at column start[i] and runs to the right edge.
-
-    Example, start = [2, 0], first = 3, n = 2:
-        mask      [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
-        positions [[1, 2], [3, 4]]
-    """
-    cols = torch.arange(first + n, device=start.device)
-    mask = cols[None, :] >= start[:, None]
-    positions = (cols[None, first:] - start[:, None]).clamp(min=0)  # padding columns get 0, masked anyway
-    return mask, positions
+    forwards: int = 0  # forwards run
+    idle_rows: int = 0  # rows in a forward's slot range that were not in its batch
+    moved_rows: int = 0  # rows copied to another slot (exspec gathering a spread batch)
+    moved_tokens: int = 0  # KV columns copied by those moves
+    gathered_rows: int = 0  # rows read through a gathered copy (prefills of rows spread apart)
 
 
 def kv_shape(model) -> tuple[int, int, int]:
@@ -110,154 +65,114 @@ def kv_shape(model) -> tuple[int, int, int]:
     return len(cache.layers), k_shape[1], k_shape[3]
 
 
-class ModelRunner:
-    """Runs one model (target or draft) over batches of requests, keeping their KV.
+def row_inputs(starts: list[int], n: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [b, n] and attention mask [b, 1, n, width] for rows whose fed columns start at
+    starts[i]: query j of row i has position starts[i] + j and sees key columns c <= starts[i] + j.
 
-    Usage per round: `begin(reqs)`, one or more `feed(...)`, then `commit(keep)`.
+    Example, starts [3, 5], n = 2, width 6:
+        positions [[3, 4], [5, 6]]
+        row 0: query 0 sees c <= 3 -> [1, 1, 1, 1, 0, 0];  query 1 -> [1, 1, 1, 1, 1, 0]
+        row 1: query 0 sees c <= 5 -> [1, 1, 1, 1, 1, 1];  query 1 (padding) -> all
     """
+    start = torch.tensor(starts, dtype=torch.long, device=device)
+    positions = start[:, None] + torch.arange(n, device=device)[None, :]
+    visible = torch.arange(width, device=device)[None, None, :] <= positions[:, :, None]
+    return positions, visible[:, None]
 
-    def __init__(self, model, name: str, vocab_size: int, block_size: int = 16, timer=None,
-                 debug: bool = False, forward: str = "auto", kv_tokens: int = 4096) -> None:
+
+def content_ids(reqs: list[Request], ends: list[int], counts: list[int], device) -> torch.Tensor:
+    """[b, max count] ids: row i holds its tokens [ends[i] - counts[i], ends[i]), right-padded with 0."""
+    n = max(counts)
+    rows = [r.token_ids[e - c:e] + [0] * (n - c) for r, e, c in zip(reqs, ends, counts)]
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+class ModelRunner:
+    """Runs one model over rows of its KV buffer. Per round: `feed(...)` one or more times, then
+    `commit(...)` to keep a prefix of what was fed."""
+
+    def __init__(self, model, name: str, vocab_size: int, rows: int, capacity: int, timer=None,
+                 debug: bool = False, forward: str = "auto") -> None:
         self.model, self.name, self.vocab_size = model, name, vocab_size
-        self.forward_kind = forward
         self.forward = make_forward(model, forward)
         self.device, self.dtype = model.device, model.dtype
         layers, heads, head_dim = kv_shape(model)
-        num_blocks = 1 + -(-kv_tokens // block_size)  # + the null block
-        self.store = KVStore(layers, heads, head_dim, model.dtype, self.device, block_size, num_blocks)
-        self.kv: BatchKV | None = None
-        self.layout: _Layout | None = None
-        self.stats = AlignStats()
-        self.last_layout = BeginInfo()
+        self.kv = RowKV(layers, heads, head_dim, rows, capacity, model.dtype, self.device)
+        self.fed: dict[int, int] = {}  # request id -> tokens fed since its last commit
+        self.stats = LayoutStats()
         self.timer = timer
         self.debug = debug
 
-    # ----------------------------------------------------------------------------- KV room
-    def can_reserve(self, req: Request, num_tokens: int) -> bool:
-        return self.store.can_reserve(req.index, num_tokens)
+    # ----------------------------------------------------------------------------- rounds
+    def feed(self, reqs: list[Request], ids: torch.Tensor, counts: list[int], logits: str = "all"):
+        """Feed row i the tokens ids[i, :counts[i]] ([b, n], the rest padding) after what it holds.
 
-    def reserve(self, req: Request, num_tokens: int) -> None:
-        """Give `req` room for `num_tokens` committed tokens (before the forward that fills them)."""
-        self.store.reserve(req.index, num_tokens)
-
-    # ----------------------------------------------------------------------------- layout
-    def begin(self, reqs: list[Request], leave: int = 0, extra: int = 0, ends: list[int] | None = None) -> int:
-        """Lay out `reqs` to feed each one its content[kv_len : len - leave] (or [kv_len : ends[i]])
-        plus `extra` more tokens over later `feed` calls. Returns c, the content tokens the first
-        feed will carry."""
-        if self.model.dtype != self.dtype or self.model.device != self.device:
-            raise RuntimeError(f"the {self.name} model was moved to {self.model.device}/{self.model.dtype} after this "
-                               f"engine was built on {self.device}/{self.dtype}; build a new engine")
-        with self._stage("align"):
-            return self._begin(reqs, leave, extra, ends)
-
-    def _begin(self, reqs: list[Request], leave: int, extra: int, ends: list[int] | None) -> int:
-        name = self.name
-        ends = ends if ends is not None else [r.num_tokens - leave for r in reqs]
-        have = [min(r.kv_len.get(name, 0), n) for r, n in zip(reqs, ends)]
-        tail = max(n - k for n, k in zip(ends, have))
-        kept = [max(0, n - tail) for n in ends]
-        width = max(kept)
-        rids = tuple(r.index for r in reqs)
-        tail_pad = [tail - (n - k) for n, k in zip(ends, kept)]
-        first = [width - k + cp for k, cp in zip(kept, tail_pad)]  # = padding columns of each row
-        need = width + tail + extra
-        self.stats.begins += 1
-        self.stats.padding_tokens += sum(first)
-
-        prev = self.layout
-        reusable = (
-            prev is not None and self.kv is not None and prev.committed is not None
-            and prev.rids == rids and need <= self.kv.capacity
-            and all(s + k == width for s, k in zip(prev.first, kept))  # old starts + kept align at width
-            and all(k <= c for k, c in zip(kept, prev.committed))
-        )
-        if reusable:
-            self.kv.width = width
-            self.last_layout = BeginInfo(False, 0, sum(first))
-        else:
-            capacity = need + HEADROOM
-            index = self.store.gather_index(list(rids), kept, width, capacity)
-            self.kv = BatchKV(self.store.gather(index), len(reqs), capacity, width)
-            self.stats.gathers += 1
-            padded = sum(1 for s in first if s > 0)
-            self.stats.padded_rows += padded
-            self.stats.gathered_tokens += len(reqs) * capacity
-            self.last_layout = BeginInfo(True, padded, sum(first))
-
-        tail_rows = [[0] * cp + r.token_ids[k:n] for r, k, n, cp in zip(reqs, kept, ends, tail_pad)]
-        self.layout = _Layout(
-            rids=rids, width=width, tail=tail, kept=kept, first=first, tail_pad=tail_pad,
-            tail_ids=torch.tensor(tail_rows, dtype=torch.long, device=self.device).view(len(reqs), tail),
-            start=torch.tensor(first, dtype=torch.long, device=self.device), extra_budget=extra,
-        )
-        if self.debug:
-            self.check_layout()
-        return tail
-
-    def feed(self, extra: torch.Tensor | None = None, keep: int = 1) -> torch.Tensor:
-        """Run the model on the pending tail (first call) and/or `extra` tokens [B, e].
-
-        Returns logits [B, keep, V] for the last `keep` fed columns, over the real vocabulary.
+        `reqs` are ordered by slot. Returns logits over the real vocabulary: "all" -> [b, n, V],
+        "last" -> [b, V] at each row's last real column, "none" -> None.
         """
-        lay = self.layout
+        if self.model.dtype != self.dtype or self.model.device != self.device:
+            raise RuntimeError(f"the {self.name} model was moved to {self.model.device}/{self.model.dtype} after "
+                               f"this engine was built on {self.device}/{self.dtype}; build a new engine")
+        name = self.name
         with self._stage("align"):
-            parts = [lay.tail_ids] if lay.fed == 0 and lay.tail > 0 else []
-            if extra is not None:
-                parts.append(extra)
-            ids = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            slots = [r.slot for r in reqs]
+            starts = [r.kv_len.get(name, 0) + self.fed.get(r.index, 0) for r in reqs]
             n = ids.shape[1]
-            if lay.fed + n > lay.tail + lay.extra_budget:
-                raise RuntimeError(f"{self.name}: feeding {n} more columns exceeds the {lay.extra_budget} "
-                                   "extra columns announced to begin()")
-            mask, positions = layout_inputs(lay.start, lay.width + lay.fed, n)
-        logits = self.forward(ids, mask, positions, self.kv, keep, padded=any(lay.first))
-        self.kv.advance(n)
-        lay.fed += n
-        return logits[..., : self.vocab_size]
+            index = None
+            if is_tight(slots) and slots != sorted(slots):
+                raise ValueError("feed() takes the batch in slot order")
+            if is_tight(slots) and slots[-1] - slots[0] + 1 != len(slots):  # idle rows inside the range
+                lo, hi = slots[0], slots[-1] + 1
+                full_starts, full_counts = [0] * (hi - lo), [0] * (hi - lo)
+                for s, st, c in zip(slots, starts, counts):
+                    full_starts[s - lo], full_counts[s - lo] = st, c
+                index = torch.tensor([s - lo for s in slots], device=self.device)
+                full_ids = torch.zeros(hi - lo, n, dtype=torch.long, device=self.device)
+                full_ids[index] = ids
+                row_slots = list(range(lo, hi))
+                self.stats.idle_rows += hi - lo - len(reqs)
+            else:  # a contiguous run, or rows spread too far apart: gathered (only prefills get here)
+                full_starts, full_counts, full_ids, row_slots = starts, counts, ids, slots
+                self.stats.gathered_rows += 0 if slots[-1] - slots[0] + 1 == len(slots) else len(slots)
+            batch = RowBatch(self.kv, row_slots, full_starts, full_counts)
+            self.kv.make_clean(slots, batch.width)
+            positions, visible = row_inputs(full_starts, n, batch.width, self.device)
+            if n == 1 and index is None and len(set(starts)) == 1:
+                visible = None  # one token per row, all rows the same length: every key is visible
+            select = None
+            if logits == "last":
+                select = torch.tensor([c - 1 for c in full_counts], device=self.device).clamp(min=0)
+        out = self.forward(full_ids, positions, batch, visible, select=select if logits != "none" else False)
+        self.stats.forwards += 1
+        for r, c in zip(reqs, counts):
+            self.fed[r.index] = self.fed.get(r.index, 0) + c
+        if out is None:
+            return None
+        out = out[..., : self.vocab_size]
+        return out if index is None else out[index]
 
     def commit(self, reqs: list[Request], keep: list[int]) -> None:
-        """Make the first keep[i] real tokens fed to row i since begin() part of its KV.
+        """Keep the first keep[i] tokens fed to row i since its last commit; the rest (rejected
+        drafts) stay beyond its length, masked until overwritten."""
+        name = self.name
+        for r, k in zip(reqs, keep):
+            fed = self.fed.pop(r.index, 0)
+            if not 0 <= k <= fed:
+                raise ValueError(f"{name}: cannot commit {k} tokens for request {r.index}; {fed} were fed")
+            r.kv_len[name] = r.kv_len.get(name, 0) + k
+            if self.debug and r.kv_len[name] > self.kv.clean[r.slot]:
+                raise AssertionError(f"{name}: request {r.index} committed past the written columns")
 
-        Entries fed after them (rejected drafts) are simply not committed."""
+    def move(self, pairs: list[tuple[int, int]], lengths: list[int]) -> None:
+        """Copy rows between slots (see `sched.slots.arrange`); lengths are the rows' KV lengths."""
         with self._stage("align"):
-            lay = self.layout
-            src, dst = [], []
-            for i, (r, k) in enumerate(zip(reqs, keep)):
-                real = lay.fed - lay.tail_pad[i]
-                if not 0 <= k <= real:
-                    raise ValueError(f"{self.name}: cannot commit {k} tokens for row {i}; {real} were fed")
-                kept = lay.kept[i]
-                self.store.reserve(r.index, kept + k)
-                first_col = lay.width + lay.tail_pad[i]
-                src.extend(self.kv.flat_index(i, first_col + j) for j in range(k))
-                dst.extend(self.store.slots(r.index, kept, kept + k))
-                r.kv_len[self.name] = kept + k
-            lay.committed = [kept + k for kept, k in zip(lay.kept, keep)]
-            if src:
-                values = self.kv.buf.index_select(3, torch.tensor(src, device=self.device))
-                self.store.write(torch.tensor(dst, device=self.device), values)
+            self.kv.move(pairs, lengths)
+        self.stats.moved_rows += len(pairs)
+        self.stats.moved_tokens += sum(lengths)
 
     def release(self, req: Request) -> None:
-        self.store.release(req.index, poison=self.debug)
+        self.fed.pop(req.index, None)
         req.kv_len.pop(self.name, None)
-
-    # ----------------------------------------------------------------------------- checks
-    def check_layout(self) -> None:
-        """Debug invariant: the working buffer holds each row's committed KV right-aligned at
-        `width`, equal to the store's entries, so every row's content ends at the right edge
-        (masks and positions then follow from `layout_inputs`)."""
-        lay, kv = self.layout, self.kv
-        if kv.width != lay.width:
-            raise AssertionError(f"{self.name}: buffer width {kv.width} != layout width {lay.width}")
-        expect = self.store.gather(self.store.gather_index(list(lay.rids), lay.kept, lay.width, lay.width))
-        got = kv.columns(0, lay.width)
-        for i, k in enumerate(lay.kept):
-            if lay.first[i] - lay.tail_pad[i] != lay.width - k:
-                raise AssertionError(f"{self.name}: row {i} is not right-aligned")
-            sl = slice(i * lay.width + lay.width - k, (i + 1) * lay.width)
-            if not torch.equal(expect[:, :, :, sl], got[:, :, :, sl]):
-                raise AssertionError(f"{self.name}: row {i} KV differs from the store after alignment")
 
     def _stage(self, name: str):
         return self.timer.stage(name) if self.timer is not None else _NULL

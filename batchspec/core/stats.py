@@ -85,22 +85,21 @@ class RunStats:
     accepted: int = 0
     emitted: int = 0  # tokens appended to outputs
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per row-round -> count
-    aligned_rounds: int = 0  # rounds whose target batch needed no realignment
-    realigned_rows: int = 0  # rows shifted or padded by target realignments
-    padding_tokens: int = 0  # target padding columns over all rounds
+    idle_rows: int = 0  # rows inside a verify pass's slot range that were not in its batch
+    padding_tokens: int = 0  # query columns a verify pass computed for nothing (rows drafting fewer)
     prefill_forwards: int = 0  # prefill chunks run (one forward of each model)
-    prefill_tokens: int = 0  # prompt tokens prefilled (recomputed ones after preemption included)
-    preemptions: int = 0  # requests whose KV was dropped for lack of room
+    prefill_tokens: int = 0  # prompt tokens prefilled
+    moved_rows: int = 0  # rows copied to another slot to keep a batch's rows together (exspec)
     aborted: int = 0
     finished: int = 0  # requests that ended (aborted ones included)
-    peak_kv_tokens: int = 0  # most target KV tokens reserved at once (in whole blocks)
+    peak_kv_tokens: int = 0  # most target KV tokens committed at once
     wall: float = 0.0
     stage_time: dict[str, float] = field(default_factory=dict)
 
     def merge(self, other: RunStats) -> None:
         """Add `other` (one step's numbers) into these; peaks take the maximum."""
-        for name in ("rounds", "row_rounds", "drafted", "accepted", "emitted", "aligned_rounds", "realigned_rows",
-                     "padding_tokens", "prefill_forwards", "prefill_tokens", "preemptions", "aborted", "finished",
+        for name in ("rounds", "row_rounds", "drafted", "accepted", "emitted", "idle_rows", "padding_tokens",
+                     "prefill_forwards", "prefill_tokens", "moved_rows", "aborted", "finished",
                      "wall"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accept_hist.update(other.accept_hist)
@@ -119,13 +118,12 @@ class RunStats:
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             "tokens_per_round": self.emitted / max(1, self.row_rounds),
             "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
-            "grouping_rate": self.aligned_rounds / rounds,
-            "realigned_rows_per_round": self.realigned_rows / rounds,
+            "idle_rows_per_round": self.idle_rows / rounds,
             "padding_tokens_per_round": self.padding_tokens / rounds,
             "mean_batch_occupancy": self.row_rounds / rounds,
             "prefill_forwards": self.prefill_forwards,
             "prefill_tokens": self.prefill_tokens,
-            "preemptions": self.preemptions,
+            "moved_rows_per_round": self.moved_rows / rounds,
             "peak_kv_tokens": self.peak_kv_tokens,
             "time_share": share,
         }

@@ -1,8 +1,15 @@
-"""One decoding round for a batch: draft γ tokens, verify them in one target pass, commit.
+"""One decoding round for a batch: draft, verify in one target pass, commit.
 
-With γ = 0 there is nothing to draft and the round is a plain autoregressive step: the target
-reads the newest token and its own token ("bonus") is the output. Methods differ only in how
-batches are formed (see `batchspec.sched`), never in this loop.
+Each row has its own draft length γ_i ≤ γ: here min(γ, tokens it may still emit - 1), so a row
+about to finish drafts nothing it could not use. The draft proposes max γ_i tokens for every
+row; row i verifies its newest token plus its first γ_i drafts, so the target pass feeds rows
+different numbers of tokens. With every γ_i = 0 the round is a plain autoregressive step: the
+target reads the newest token and its own token ("bonus") is the output. Methods differ only in
+how batches are formed (see `batchspec.sched`), never in this loop.
+
+Randomness stays per request: every row draws 2γ + 1 uniforms per round whatever γ_i is (u_j
+drafts d_j, u_{γ+j} accepts it, u_{2γ} draws the final token), so a seeded request's output does
+not depend on its batch.
 """
 
 from __future__ import annotations
@@ -15,49 +22,56 @@ from ..sampling import BatchSampling, draw_uniforms, probabilities
 from ..verify import greedy_verify, rejection_verify
 
 
+def draft_lengths(batch: list[Request], gamma: int) -> list[int]:
+    """γ_i per row: never more drafts than the row can still emit after its bonus token."""
+    return [max(0, min(gamma, r.remaining - 1)) for r in batch]
+
+
 def run_round(engine, batch: list[Request], stats: RunStats) -> None:
-    """Advance every request of `batch` by one round; counters go to `stats`."""
+    """Advance every request of `batch` (in slot order) by one round; counters go to `stats`."""
     gamma, timer, target = engine.gamma, engine.timer, engine.target
     device = engine.device
     sampling = BatchSampling.of([r.params for r in batch], device)
-    # Per-request uniforms, a fixed count per round: γ to draft, γ to accept, 1 for the final token.
     u = None if sampling.all_greedy else draw_uniforms([r.generator for r in batch], 2 * gamma + 1, device)
+    lengths = draft_lengths(batch, gamma)
+    g = max(lengths)
 
-    if gamma > 0:
+    if g > 0:
         with timer.stage("draft"):
-            proposal = engine.drafter.propose(batch, gamma, None if u is None else u[:, :gamma], sampling)
+            proposal = engine.drafter.propose(batch, g, None if u is None else u[:, :g], sampling)
         drafts, q = proposal.tokens, proposal.probs
     else:
         drafts, q = torch.zeros(len(batch), 0, dtype=torch.long, device=device), None
 
+    idle_before = target.stats.idle_rows
     with timer.stage("verify"):
-        target.begin(batch, extra=gamma)
-        logits = target.feed(extra=drafts if gamma > 0 else None, keep=gamma + 1)  # [B, γ+1, V]
+        newest = torch.tensor([[r.token_ids[-1]] for r in batch], dtype=torch.long, device=device)
+        counts = [1 + n for n in lengths]
+        logits = target.feed(batch, torch.cat([newest, drafts], dim=1), counts, logits="all")  # [B, g+1, V]
+        lens = torch.tensor(lengths, dtype=torch.long, device=device)
         if sampling.all_greedy:
-            result = greedy_verify(logits, drafts)
+            result = greedy_verify(logits, drafts, lens)
         else:
             p = probabilities(logits, sampling)
-            result = rejection_verify(p, q, drafts, u[:, gamma:2 * gamma], u[:, 2 * gamma])
+            result = rejection_verify(p, q, drafts, u[:, gamma:gamma + g], u[:, 2 * gamma], lens)
         accepted = result.accepted.tolist()
         tokens = result.tokens.tolist()
 
     target.commit(batch, [1 + a for a in accepted])  # the newest token and the accepted drafts
-    if gamma > 0:
+    if g > 0:
         engine.drafter.observe(batch, accepted)
 
-    layout = target.last_layout
     stats.rounds += 1
     stats.row_rounds += len(batch)
-    stats.aligned_rounds += int(layout.padded_rows == 0)
-    stats.realigned_rows += layout.padded_rows
-    stats.padding_tokens += layout.padding
-    for req, a, row in zip(batch, accepted, tokens):
+    stats.idle_rows += target.stats.idle_rows - idle_before
+    stats.padding_tokens += sum(g - n for n in lengths)
+    for req, a, row, n in zip(batch, accepted, tokens, lengths):
         emitted = req.append(row[: a + 1])
         stats.emitted += emitted
         req.stats.rounds += 1
         if gamma > 0:
-            req.stats.drafted += gamma
+            req.stats.drafted += n
             req.stats.accepted += a
-            stats.drafted += gamma
+            stats.drafted += n
             stats.accepted += a
             stats.accept_hist[a] += 1

@@ -23,8 +23,7 @@ class Drafter(Protocol):
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         """Cover tokens [0, ends[i]) of each request's content (a prefill chunk; the last chunk
-        ends at len - 1; a one-token prompt has nothing to prefill and is never passed). Called
-        again from 0 after a preemption dropped the request's state."""
+        ends at len - 1; a one-token prompt has nothing to prefill and is never passed)."""
 
     def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
                 sampling: BatchSampling) -> DraftProposal:

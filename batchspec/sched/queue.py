@@ -1,15 +1,12 @@
 """The request queue shared by every scheduler: waiting requests, resident ones, admission.
 
 Admission is first come, first served (or shortest first with `sort_by_length`): the head of
-the queue waits, and everything behind it, while `can_admit` says its KV does not fit, so a
-long request is never starved by short ones. A preempted request (its KV dropped for lack of
-room) goes back ahead of every waiting one and keeps its generated tokens; it is recomputed
-when it is admitted again.
+the queue waits, and everything behind it, while `can_admit` says there is no room for it.
 
 `refill` decides when rows freed by finished requests are filled:
     "continuous"  at the next round boundary (what a server wants);
     "none"        only when every resident request has finished: the founding paper's fixed
-                  batches (preempted requests still return as soon as they fit).
+                  batches.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ class RequestQueue:
         self.sort_by_length = sort_by_length
         self.refill = refill
         self.pending: deque = deque()
-        self.preempted: deque = deque()
         self.resident: list = []
         self._sorted = True
 
@@ -37,27 +33,24 @@ class RequestQueue:
         self._sorted = False
 
     def has_work(self) -> bool:
-        return bool(self.pending or self.preempted or self.resident)
+        return bool(self.pending or self.resident)
 
     def __len__(self) -> int:
-        return len(self.pending) + len(self.preempted)
+        return len(self.pending)
 
     def admit(self, can_admit: Callable[[object], bool] = admit_all) -> list:
         """Move requests from the queue into the resident set while there is room; returns them.
-        `can_admit(req)` says whether the KV budget has room for it (and reserves that room)."""
+        `can_admit(req)` says whether there is room for it (and takes that room)."""
         if self.sort_by_length and not self._sorted:
             self.pending = deque(sorted(self.pending, key=lambda r: r.num_tokens))
             self._sorted = True
         admitted = []
-        refill = self.refill == "continuous" or not self.resident
-        for queue in (self.preempted, self.pending) if refill else (self.preempted,):
-            while queue and len(self.resident) < self.capacity and can_admit(queue[0]):
-                req = queue.popleft()
+        if self.refill == "continuous" or not self.resident:
+            while self.pending and len(self.resident) < self.capacity and can_admit(self.pending[0]):
+                req = self.pending.popleft()  # the head waits while it does not fit, and everyone behind it
                 self.resident.append(req)
                 admitted.append(req)
                 self.on_admit(req)
-            if queue:
-                break  # the head waits, and so does everyone behind it
         return admitted
 
     def on_admit(self, req) -> None:
@@ -72,12 +65,7 @@ class RequestQueue:
 
     def finish(self, req) -> None:
         """The request left (finished or aborted), wherever it was."""
-        for where in (self.resident, self.pending, self.preempted):
+        for where in (self.resident, self.pending):
             if req in where:
                 where.remove(req)
                 return
-
-    def preempt(self, req) -> None:
-        """A resident request gave up its KV: it waits again, ahead of everyone."""
-        self.resident.remove(req)
-        self.preempted.appendleft(req)

@@ -40,7 +40,3 @@ class WindowScheduler(RequestQueue):
     def finish(self, req) -> None:
         super().finish(req)
         self.waits.pop(req.index, None)
-
-    def preempt(self, req) -> None:
-        super().preempt(req)
-        self.waits.pop(req.index, None)

@@ -43,24 +43,30 @@ def rejection_verify(
     draft_tokens: torch.Tensor,
     u_accept: torch.Tensor,
     u_final: torch.Tensor,
+    lengths: torch.Tensor | None = None,
 ) -> VerifyResult:
     """p [B, γ+1, V] target distributions at (last token, d_1..d_γ); q [B, γ, V] the draft
     distributions the tokens were sampled from (None: deterministic drafts, q one-hot);
     draft_tokens [B, γ]; u_accept [B, γ] and u_final [B] uniforms in [0, 1) (float64, as
-    `draw_uniforms` returns them: the acceptance test u q(x) < p(x) is then made in float64).
+    `draw_uniforms` returns them: the acceptance test u q(x) < p(x) is then made in float64);
+    lengths [B] (default γ): row i verifies only its first lengths[i] drafts, and when it
+    accepts all of them its bonus token is drawn from p at position lengths[i].
     """
     batch, gamma = draft_tokens.shape
     idx = draft_tokens.unsqueeze(-1)
     p_x = p[:, :gamma].gather(-1, idx).squeeze(-1)  # [B, γ]
     q_x = q.gather(-1, idx).squeeze(-1) if q is not None else torch.ones_like(p_x)
-    accept = (u_accept * q_x < p_x).to(torch.long)
-    accepted = accept.cumprod(dim=1).sum(dim=1)  # [B]
+    accept = u_accept * q_x < p_x
+    if lengths is None:
+        lengths = torch.full((batch,), gamma, dtype=torch.long, device=p.device)
+    accept &= torch.arange(gamma, device=p.device)[None, :] < lengths[:, None]
+    accepted = accept.to(torch.long).cumprod(dim=1).sum(dim=1)  # [B]
 
     # Distribution of the one token the target adds: residual at the first rejection, else p_{γ+1}.
     rows = torch.arange(batch, device=p.device)
     p_at = p[rows, accepted]  # [B, V]
     if gamma > 0:  # (γ = 0: an autoregressive step, nothing to reject)
-        rejected = accepted < gamma
+        rejected = accepted < lengths
         j = accepted.clamp(max=gamma - 1)
         if q is not None:
             q_at = q[rows, j]
