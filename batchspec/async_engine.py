@@ -11,17 +11,25 @@ loop thread, which hands each StepOutput to the request's asyncio queue. A consu
 early (the client disconnected, the task was cancelled) aborts its request, and its KV is freed
 at the next round boundary. An error inside a round fails the requests in flight with that
 error, and the loop goes on serving the others.
+
+`on_step(outputs)`, when given, is called on the loop thread after every step: the one place
+where engine state (queue, KV in use, the statistics) can be read without racing the rounds.
+Outputs reach each event loop in one callback per step, not one per request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from .core.request import Output, StepOutput
 from .engine import SpecEngine
 from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
@@ -29,9 +37,11 @@ class QueueFull(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: SpecEngine, max_waiting: int | None = None) -> None:
+    def __init__(self, engine: SpecEngine, max_waiting: int | None = None,
+                 on_step: Callable[[list[StepOutput]], None] | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
+        self.on_step = on_step
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -50,38 +60,61 @@ class AsyncEngine:
             try:
                 outputs = engine.step()
             except Exception as exc:  # keep serving: fail what was in flight, drop it from the engine
+                log.exception("a round failed; failing the requests in flight")
                 self._fail_all(exc)
-                continue
-            with self._lock:
-                for out in outputs:
-                    target = self._streams.pop(out.index, None) if out.finished else self._streams.get(out.index)
-                    if target is not None:
-                        loop, queue = target
-                        loop.call_soon_threadsafe(queue.put_nowait, out)
+                outputs = []
+            self._deliver(outputs)
+            if self.on_step is not None:
+                try:
+                    self.on_step(outputs)
+                except Exception:  # an observer must not stop the engine
+                    log.exception("on_step failed")
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                target = self._streams.pop(out.index, None) if out.finished else self._streams.get(out.index)
+                if target is not None:
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that event loop was closed: nobody is listening
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
         for rid, (loop, queue) in streams.items():
             self.engine.abort(rid)
-            loop.call_soon_threadsafe(queue.put_nowait, exc)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+
+    @property
+    def running(self) -> bool:
+        """Whether the loop thread is alive and serving."""
+        return not self._stopped and self._thread.is_alive()
 
     def close(self) -> None:
+        """Stop the loop thread; requests still in flight fail (their consumers get a RuntimeError)."""
         self._stopped = True
         self._wake.set()
         self._thread.join()
+        self._fail_all(RuntimeError("the engine was closed"))
 
     # ----------------------------------------------------------------------------- coroutines' side
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-               add_special_tokens: bool | None = None) -> tuple[int, asyncio.Queue]:
+               add_special_tokens: bool | None = None, queue: asyncio.Queue | None = None) -> tuple[int, asyncio.Queue]:
         """Queue a request (ValueError for bad input, QueueFull when too many wait); returns its
-        id and the asyncio queue its StepOutputs arrive on. Call from the event loop's thread."""
+        id and the asyncio queue its StepOutputs arrive on. Call from the event loop's thread.
+
+        Several requests may share one `queue` (a server's n choices): each StepOutput carries its
+        request id in `index`, and a failed round puts the exception once per request."""
         if self._stopped:
             raise RuntimeError("the engine was closed")
         if self.max_waiting is not None and self.engine.num_waiting() >= self.max_waiting:
             raise QueueFull(f"{self.engine.num_waiting()} requests are already waiting (limit {self.max_waiting}); "
                             "try again later")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = queue if queue is not None else asyncio.Queue()
         loop = asyncio.get_running_loop()
         with self._lock:  # registered before the loop thread can report on it
             rid = self.engine.add_request(prompt, params, add_special_tokens=add_special_tokens)
@@ -123,3 +156,8 @@ class AsyncEngine:
             self._streams.pop(rid, None)
         self.engine.abort(rid)
         self._wake.set()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)

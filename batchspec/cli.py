@@ -1,4 +1,4 @@
-"""The `batchspec` command line: generate, verify, bench."""
+"""The `batchspec` command line: generate, verify, bench, serve, loadtest."""
 
 from __future__ import annotations
 
@@ -17,27 +17,27 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console(stderr=True)
 
 TARGET = typer.Option(None, "--target", help="Target model: local path or hub id, or random:<path or id> for "
-                                             "random weights from a config [default: bundled target]")
-DRAFT = typer.Option(None, "--draft", help="Draft model sharing the target's tokenizer [default: bundled draft]")
+                                             "random weights from a config (default: bundled target)")
+DRAFT = typer.Option(None, "--draft", help="Draft model sharing the target's tokenizer (default: bundled draft)")
 DTYPE = typer.Option("auto", "--dtype", help="float32 (CPU default), bfloat16 (CUDA default), float16, float64")
-DEVICE = typer.Option("auto", "--device", help="cpu, cuda or cuda:N [default: cuda if available]")
-PROMPTS = typer.Option(None, "--prompts", help="JSONL prompt file [default: the bundled held-out prompts]")
-GAMMA = typer.Option(5, "--gamma", help="Draft tokens per round")
+DEVICE = typer.Option("auto", "--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+PROMPTS = typer.Option(None, "--prompts", help="JSONL prompt file (default: the bundled held-out prompts)")
+GAMMA = typer.Option(3, "--gamma", help="Draft tokens per round")
 MAX_NEW = typer.Option(128, "--max-new-tokens", help="Tokens to generate per prompt (exact cap)")
 TEMPERATURE = typer.Option(0.0, "--temperature", help="0 = greedy")
 TOP_K = typer.Option(0, "--top-k", help="0 = off")
 TOP_P = typer.Option(1.0, "--top-p", help="1.0 = off")
 SEED = typer.Option(None, "--seed", help="Run seed: request i gets a seed derived from it and i")
-WINDOW = typer.Option(None, "--window", help="exspec: sequences in flight [default: 4 x batch size]")
+WINDOW = typer.Option(None, "--window", help="exspec: sequences in flight (default: 4 x batch size)")
 SORT = typer.Option(False, "--sort-by-length", help="Admit prompts shortest first")
 FORWARD = typer.Option("auto", "--forward", help="How models run: auto (batchspec's lean forward for Llama-family "
                                                 "models, transformers modules otherwise), lean, hf")
 DRAFTER = typer.Option("draft_model", "--drafter", help="draft_model, or oracle:<p> (synthetic, for overhead studies)")
 REFILL = typer.Option("continuous", "--refill", help="continuous: refill a finished row at the next round; none: "
                                                      "fixed batches as in the founding paper")
-MAX_KV = typer.Option(None, "--max-kv-tokens", help="KV budget per model in tokens, allocated once [default: room "
-                                                    "for every resident row at full context, at most half the free "
-                                                    "memory]")
+MAX_KV = typer.Option(None, "--max-kv-tokens", help="KV budget per model in tokens, allocated once as one row per "
+                                                    "resident request (default: rows as long as the model context, "
+                                                    "at most half the free memory)")
 MAX_PREFILL = typer.Option(2048, "--max-prefill-tokens", help="Prompt-token slots per prefill forward (longer prompts "
                                                               "are prefilled in chunks between decoding rounds)")
 
@@ -108,7 +108,7 @@ def generate(
     batch_size: int = typer.Option(8, "--batch-size"), gamma: int = GAMMA, max_new_tokens: int = MAX_NEW,
     prompt: list[str] = typer.Option(None, "--prompt", help="A prompt (repeatable)"), prompts: Path = PROMPTS,
     num_prompts: int = typer.Option(None, "--num-prompts",
-                                    help="Use only the first N prompts [default: all of --prompts, 8 bundled ones]"),
+                                    help="Use only the first N prompts (default: all of --prompts, 8 bundled ones)"),
     chat: bool = typer.Option(False, "--chat", help="Wrap prompts in the tokenizer's chat template"),
     output: Path = typer.Option(None, "--output", help="Write outputs as JSONL"),
     temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
@@ -281,7 +281,7 @@ def bench(
     num_prompts: int = typer.Option(32, "--num-prompts"),
     methods: str = typer.Option("autoregressive,eqspec,exspec", "--methods"),
     batch_sizes: str = typer.Option("1,4,8,16,32", "--batch-sizes"),
-    gamma: str = typer.Option("5", "--gamma", help="Comma-separated γ values"),
+    gamma: str = typer.Option("3", "--gamma", help="Comma-separated γ values"),
     drafters: str = typer.Option("draft_model", "--drafters", help="Comma-separated: draft_model, oracle:<p>"),
     max_new_tokens: str = typer.Option("128", "--max-new-tokens", help="Tokens per prompt: N, or LO-HI for a seeded "
                                                                          "uniform draw per prompt (a mixed workload)"),
@@ -374,3 +374,88 @@ def bench(
 
         for path in plot_all(report["results"], plots, title=f"({m['device']}, {report['config']['dtype']})"):
             console.print(f"wrote {path}")
+
+
+@app.command()
+def serve(
+    target: str = TARGET, draft: str = DRAFT,
+    method: str = typer.Option(None, "--method",
+                               help="autoregressive, eqspec or exspec (default: EngineConfig's, eqspec)"),
+    batch_size: int = typer.Option(None, "--batch-size", "--max-batch-size",
+                                   help="Rows verified together per round (default: EngineConfig's, 8)"),
+    gamma: int = GAMMA, window: int = WINDOW, drafter: str = DRAFTER, forward: str = FORWARD, refill: str = REFILL,
+    max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL, dtype: str = DTYPE, device: str = DEVICE,
+    max_waiting: int = typer.Option(256, "--max-waiting", help="Requests allowed to wait for a row; more get 429"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless told otherwise)"),
+    port: int = typer.Option(8000, "--port"),
+    api_key: str = typer.Option(None, "--api-key", envvar="BATCHSPEC_API_KEY",
+                                help="Require 'Authorization: Bearer KEY' on every endpoint but /health"),
+    served_model_name: str = typer.Option(None, "--served-model-name",
+                                          help="Model id clients name (default: --target, or batchspec/default_pair)"),
+    log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level (info logs every request)"),
+):
+    """Serve the engine over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
+    from .config import EngineConfig
+    from .engine import SpecEngine
+    from .server import serve as run_server
+
+    try:
+        defaults = EngineConfig()
+        config = EngineConfig(method=method or defaults.method, gamma=gamma,
+                              batch_size=batch_size or defaults.batch_size, window=window, drafter=drafter,
+                              forward=forward, **engine_options(refill, max_kv_tokens, max_prefill_tokens))
+        if max_waiting < 0:
+            raise ValueError(f"--max-waiting must be >= 0, got {max_waiting}")
+        engine = SpecEngine.from_pretrained(target, draft, config, dtype=dtype, device=device)
+    except ValueError as exc:
+        fail(str(exc))
+    name = served_model_name or target or "batchspec/default_pair"
+    console.print(f"serving [bold]{name}[/] ({config.method}, batch {config.batch_size}"
+                  f"{f', gamma {config.gamma}' if config.speculative else ''}) on http://{host}:{port}/v1"
+                  f"{' with an API key' if api_key else ''}")
+    run_server(engine, host=host, port=port, model_name=name, api_key=api_key, max_waiting=max_waiting,
+               log_level=log_level)
+
+
+@app.command()
+def loadtest(
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="Server base URL (with or without /v1)"),
+    concurrency: int = typer.Option(8, "--concurrency", help="Requests in flight at once"),
+    requests: int = typer.Option(64, "--requests", help="Timed requests in all"),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="max_tokens of every request"),
+    stream: bool = typer.Option(False, "--stream", help="Stream (needed for TTFT and inter-token latency)"),
+    prompts: Path = PROMPTS,
+    chat: bool = typer.Option(False, "--chat", help="Send each prompt as one user message to /v1/chat/completions"),
+    temperature: float = TEMPERATURE,
+    model: str = typer.Option(None, "--model", help="Model id to request (default: the first of GET /v1/models)"),
+    api_key: str = typer.Option(None, "--api-key", envvar="BATCHSPEC_API_KEY"),
+    warmup: int = typer.Option(None, "--warmup", help="Untimed requests first (default: one per concurrent client)"),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds one request may take"),
+    json_path: Path = typer.Option(None, "--json", help="Write the report (vllm bench serve's keys) as JSON"),
+):
+    """Load-test an OpenAI-compatible server with the official openai client."""
+    import asyncio
+
+    from .prompts import load_prompts
+    from .server.loadtest import format_report, run_loadtest
+
+    try:
+        texts = load_prompts(prompts)
+        if json_path is not None and not json_path.parent.exists():
+            raise ValueError(f"output folder {json_path.parent} does not exist")
+        report = asyncio.run(run_loadtest(url, texts, concurrency=concurrency, requests=requests,
+                                          max_tokens=max_tokens, stream=stream, chat=chat, temperature=temperature,
+                                          model=model, api_key=api_key, warmup=warmup, timeout=timeout))
+    except ValueError as exc:
+        fail(str(exc))
+    table = Table(title=f"{report['model']} at {url}: concurrency {concurrency}, {requests} requests, "
+                        f"max_tokens {max_tokens}{', streaming' if stream else ''}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for label, value in format_report(report):
+        table.add_row(label, value)
+    Console().print(table)
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2))
+    if report["failed"]:
+        raise typer.Exit(1)

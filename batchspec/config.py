@@ -38,7 +38,7 @@ class EngineConfig:
     """
 
     method: str = "eqspec"
-    gamma: int = 5
+    gamma: int = 3
     batch_size: int = 8
     window: int | None = None
     sort_by_length: bool = False

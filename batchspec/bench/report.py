@@ -32,7 +32,8 @@ def markdown_table(results: list[dict]) -> str:
 def scheduling_table(results: list[dict]) -> str:
     """How batches were laid out: rows moved to keep a batch together, rows idle in a verify pass,
     query columns padded for rows drafting fewer tokens, and how full the batches were."""
-    rows = [r for r in results if r["method"] in ("eqspec", "exspec") and r.get("moved_rows_per_round") is not None]
+    rows = [r for r in results if r["method"].split("[")[0] in ("eqspec", "exspec")
+            and r.get("moved_rows_per_round") is not None]
     if not rows:
         return ""
     lines = ["| method | bs | γ | window | tokens/s | moved rows/round | idle rows/round | padding tokens/round "

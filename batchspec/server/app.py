@@ -1,0 +1,343 @@
+"""`batchspec serve`: an OpenAI-compatible HTTP API over one engine loop.
+
+    POST /v1/completions        prompt text or token ids (or a list of them), SSE with stream=true
+    POST /v1/chat/completions   messages rendered with the tokenizer's chat template
+    GET  /v1/models             the served model
+    GET  /health                200 while the engine loop runs (never needs the API key)
+    GET  /metrics               Prometheus text (see metrics.py)
+
+One thread owns the models and runs the engine's rounds (`AsyncEngine`); handlers only queue
+requests and await their per-round outputs, so the HTTP side never blocks a round. Every engine
+request is aborted when its client goes away, streaming or not: streaming responses are cancelled
+by Starlette when the client disconnects, and non-streaming handlers race the generation against
+the connection's `http.disconnect`.
+
+Answers: 400 with the reason for a value the engine or SamplingParams refuses (over-long prompt,
+temperature < 0, ...) or an unsupported feature; 401 without the API key; 404 for another model;
+422 for malformed JSON or wrong types; 429 when `max_waiting` requests already wait; 500 when a
+round failed (the server keeps serving the others).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..async_engine import AsyncEngine, QueueFull
+from ..engine import SpecEngine
+from ..sampling import SamplingParams
+from .generation import EngineFailed, Generation
+from .metrics import ServerMetrics
+from .protocol import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    ResponseFormat,
+    error_body,
+    usage,
+)
+
+log = logging.getLogger(__name__)
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+
+
+class ApiError(Exception):
+    """An answer other than 200: status, message, and the outcome the metrics count it under."""
+
+    def __init__(self, status: int, message: str, outcome: str = "invalid", kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.outcome, self.kind, self.code = status, message, outcome, kind, code
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.kind, self.code), status_code=self.status)
+
+
+class OpenAIServer:
+    """The handlers' state: the engine, its asyncio side (started with the app), the metrics."""
+
+    def __init__(self, engine: SpecEngine, model_name: str) -> None:
+        self.spec = engine
+        self.model_name = model_name
+        self.metrics = ServerMetrics(engine)
+        self.engine: AsyncEngine | None = None
+        self.created = int(time.time())
+
+    # ----------------------------------------------------------------------------- routes
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        return await self._generate("completions", body, request, lambda: self._completion_prompts(body))
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        return await self._generate("chat_completions", body, request, lambda: [self._chat_prompt(body)])
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "batchspec"}]}
+
+    async def health(self) -> JSONResponse:
+        ok = self.engine is not None and self.engine.running
+        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+
+    async def render_metrics(self) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    # ----------------------------------------------------------------------------- prompts
+    def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        p = body.prompt
+        items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else p
+        if not items:
+            raise ValueError("prompt is empty")
+        return [self.spec.encode(item) for item in items]
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        tok = self.spec.pair.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template, so /v1/chat/completions cannot build a "
+                             "prompt from messages; use /v1/completions with the prompt text")
+        if not body.messages:
+            raise ValueError("messages is empty")
+        messages = [m.for_template() for m in body.messages]
+        try:
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # the template's own checks (roles must alternate, ...) or a Jinja error
+            raise ValueError(f"the chat template could not render these messages: {exc}") from None
+        return self.spec.encode(text)  # no second BOS when the template wrote one
+
+    def _room(self, prompts: list[list[int]], body: GenerationRequest) -> int:
+        """Default max_tokens of chat: the most the engine accepts after the longest prompt (its
+        context and KV budget), found by bisection over `check_request`, which runs no model."""
+        longest = max(prompts, key=len)
+        vocab = self.spec.pair.vocab_size
+
+        def fits(k: int) -> bool:
+            try:
+                self.spec.check_request(longest, body.sampling_params(k, 0, vocab))
+            except ValueError:
+                return False
+            return True
+
+        lo, hi = 1, max(1, self.spec.context)
+        if not fits(lo):
+            return lo  # the prompt itself is refused: check_request says why
+        while lo < hi:  # invariant: fits(lo)
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+    # ----------------------------------------------------------------------------- generation
+    def _start(self, endpoint: str, body: GenerationRequest, make_prompts) -> Generation:
+        """Validate and submit every choice; ApiError for anything the client must change."""
+        arrival = time.perf_counter()
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
+                                f"{self.model_name!r} (GET /v1/models)", code="model_not_found")
+        unsupported = body.unsupported()
+        if unsupported:
+            raise ApiError(400, f"not supported by batchspec serve: {', '.join(unsupported)}; leave "
+                                f"{'it' if len(unsupported) == 1 else 'them'} unset")
+        try:
+            prompts = make_prompts()
+            if body.choices < 1:
+                raise ValueError(f"n must be >= 1, got {body.n}")
+            usage_prompt_tokens = sum(len(ids) for ids in prompts)  # OpenAI counts a prompt once, whatever n
+            prompts = [ids for ids in prompts for _ in range(body.choices)]  # choice i*n + j: prompt i, sample j
+            if len(prompts) > MAX_CHOICES:
+                raise ValueError(f"at most {MAX_CHOICES} choices (prompts x n) per request, got {len(prompts)}")
+            max_new = body.max_new_tokens(16 if endpoint == "completions" else None)
+            if max_new is None:
+                max_new = self._room(prompts, body)
+            vocab = self.spec.pair.vocab_size
+            params = [body.sampling_params(max_new, i, vocab) for i in range(len(prompts))]
+            for i, (ids, sp) in enumerate(zip(prompts, params)):
+                self.spec.check_request(ids, sp, where="prompt" if len(prompts) == 1 else f"prompt of choice {i}")
+            return Generation(self.engine, prompts, params, self.metrics, arrival, usage_prompt_tokens)
+        except QueueFull as exc:
+            raise ApiError(429, f"the server is busy: {exc}", "queue_full", "rate_limit_error") from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    async def _generate(self, endpoint: str, body: GenerationRequest, request: Request, make_prompts) -> Response:
+        try:
+            gen = self._start(endpoint, body, make_prompts)
+        except ApiError as exc:
+            self.metrics.request_done(endpoint, exc.outcome)
+            return exc.response()
+        fmt = ResponseFormat(endpoint == "chat_completions", self.model_name)
+        if not body.stream:
+            return await self._whole(endpoint, gen, fmt, request)
+        counted = False
+
+        def finish(outcome: str) -> None:
+            """Abort what is open and count the outcome, once: at the stream's end or, if the client
+            left before the stream started, in the response's background task."""
+            nonlocal counted
+            gen.abort()
+            if not counted:
+                counted = True
+                self.metrics.request_done(endpoint, outcome)
+
+        return StreamingResponse(self._events(gen, fmt, body.include_usage, finish), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"}, background=BackgroundTask(finish, "cancelled"))
+
+    async def _whole(self, endpoint: str, gen: Generation, fmt: ResponseFormat, request: Request) -> Response:
+        async def collect() -> None:
+            async for _ in gen.outputs():
+                pass
+
+        outcome = "cancelled"
+        work = asyncio.ensure_future(collect())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client went away: abort (the finally below), answer nobody
+                return Response(status_code=499)
+            try:
+                work.result()
+            except Exception as exc:
+                outcome = "error"
+                if not isinstance(exc, EngineFailed):
+                    log.exception("generation failed")
+                return ApiError(500, str(exc), "error", "server_error").response()
+            outs = gen.outputs_by_choice
+            outcome = "ok"
+            return JSONResponse(fmt.response([(o.text or "", o.finish_reason) for o in outs],
+                                             usage(gen.usage_prompt_tokens, gen.completion_tokens)))
+        finally:
+            for task in (work, gone):
+                task.cancel()
+            gen.abort()
+            self.metrics.request_done(endpoint, outcome)
+
+    async def _events(self, gen: Generation, fmt: ResponseFormat, include_usage: bool, finish):
+        """Server-sent events: each round's accepted text per choice as it arrives, then [DONE]."""
+        outcome = "cancelled"  # unless it gets to the end: the client left (Starlette cancels or closes us)
+        try:
+            if fmt.chat:
+                yield "".join(_sse(fmt.chunk(i, None, role=True)) for i in range(len(gen.outputs_by_choice)))
+            try:
+                async for choice, out in gen.outputs():
+                    if out.new_text or out.finished:
+                        yield _sse(fmt.chunk(choice, out.new_text, out.finish_reason))
+            except Exception as exc:
+                outcome = "error"
+                if not isinstance(exc, EngineFailed):
+                    log.exception("generation failed")
+                yield _sse(error_body(str(exc), "server_error"))
+                return
+            if include_usage:
+                yield _sse(fmt.usage_chunk(usage(gen.usage_prompt_tokens, gen.completion_tokens)))
+            yield "data: [DONE]\n\n"
+            outcome = "ok"
+        finally:
+            finish(outcome)
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body was read already, so the next
+    ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class BearerAuth:
+    """ASGI middleware: every path but /health needs `Authorization: Bearer <api key>`."""
+
+    def __init__(self, app, api_key: str, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.expected = api_key.encode()
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(given.strip(), self.expected):
+                self.metrics.request_done(ENDPOINTS.get(scope["path"], "other"), "unauthorized")
+                response = JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                                   "authentication_error", "invalid_api_key"),
+                                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine: SpecEngine, *, model_name: str = "batchspec", api_key: str | None = None,
+               max_waiting: int | None = None) -> FastAPI:
+    """The FastAPI app over `engine`. Its loop thread starts with the app (lifespan) and stops with it;
+    `app.state.server` holds the handlers' state (`.engine` is the AsyncEngine once started)."""
+    server = OpenAIServer(engine, model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine = AsyncEngine(engine, max_waiting=max_waiting, on_step=server.metrics.on_step)
+        try:
+            yield
+        finally:
+            server.engine.close()
+
+    app = FastAPI(title="batchspec", lifespan=lifespan)
+    app.state.server = server
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat_completions)
+    app.get("/v1/models")(server.models)
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.render_metrics)
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if request.url.path in ENDPOINTS:
+            server.metrics.request_done(ENDPOINTS[request.url.path], "invalid")
+        return JSONResponse(error_body(f"malformed request: {_describe(exc.errors())}"), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:  # uvicorn logs the traceback
+        if request.url.path in ENDPOINTS:
+            server.metrics.request_done(ENDPOINTS[request.url.path], "error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
+                            status_code=500)
+
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key, metrics=server.metrics)
+    return app
+
+
+def _describe(errors) -> str:
+    parts = []
+    for e in list(errors)[:5]:
+        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        parts.append(f"{where or 'body'}: {e.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+def warm_up(engine: SpecEngine) -> None:
+    """One short generation before serving, so that the first client does not pay for first-call setup."""
+    prompt = "def main():\n" if engine.pair.tokenizer is not None else [0]
+    engine.generate([prompt], SamplingParams(max_new_tokens=engine.gamma + 2))
+
+
+def serve(engine: SpecEngine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "batchspec",
+          api_key: str | None = None, max_waiting: int | None = None, log_level: str = "warning") -> None:
+    import uvicorn
+
+    warm_up(engine)
+    app = create_app(engine, model_name=model_name, api_key=api_key, max_waiting=max_waiting)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level in ("info", "debug", "trace"))
