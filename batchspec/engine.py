@@ -210,6 +210,7 @@ class SpecEngine:
         outputs, self._stashed = self._stashed, []
         ended = self._take_inbox(stats)
         self.scheduler.admit(self._try_admit)
+        self._rope_regimes(stats)
         prefilling = [r for r in self.scheduler.resident if not r.prefilled]
         if prefilling:
             self._prefill(prefilling, stats)
@@ -249,6 +250,14 @@ class SpecEngine:
                 self._end(req)
                 ended.append(req)
         return ended
+
+    def _rope_regimes(self, stats: RunStats) -> None:
+        """LongRoPE models: a row that grew past the limit is recomputed in the long regime."""
+        for runner in (self.target, self.draft_runner):
+            if runner is not None and runner.rope_limit is not None:
+                for r in self.scheduler.resident:
+                    if runner.enter_long_rope(r):
+                        stats.recomputed_rows += 1
 
     def _try_admit(self, req: Request) -> bool:
         """Give `req` a free row of the KV buffer (a row always holds a whole request: checked when

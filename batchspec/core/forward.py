@@ -46,7 +46,12 @@ class HFForward:
         dtype = self.model.dtype
         if visible is None:
             visible = torch.ones(ids.shape[0], 1, ids.shape[1], kv.width, dtype=torch.bool, device=ids.device)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=ids.device).masked_fill_(~visible, torch.finfo(dtype).min)
+
+        def additive(v: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(v.shape, dtype=dtype, device=ids.device).masked_fill_(~v, torch.finfo(dtype).min)
+
+        # one mask per layer type ({"full_attention": ..., "sliding_attention": ...}) or one for all
+        mask = {k: additive(v) for k, v in visible.items()} if isinstance(visible, dict) else additive(visible)
         with torch.no_grad():
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv,
                              use_cache=True, logits_to_keep=1 if select is False else 0)
@@ -60,6 +65,9 @@ def lean_unsupported(model) -> str | None:
         return f"model type {config.model_type!r} is not one of {', '.join(LEAN_TYPES)}"
     if config.model_type == "mistral" and getattr(config, "sliding_window", None) is not None:
         return "Mistral with a sliding window"
+    if getattr(config, "sliding_window", None) is not None or any(t != "full_attention" for t in
+                                                                   getattr(config, "layer_types", None) or []):
+        return "sliding-window attention layers"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r}"
     rope = getattr(model.model.rotary_emb, "rope_type", "default")

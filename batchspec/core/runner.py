@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ..sched.slots import is_tight
+from .attention import SLIDING, attention_layout, layer_masks, rope_limit, rope_rows
 from .forward import make_forward
 from .request import Request
 from .rows import RowBatch, RowKV
@@ -43,20 +44,13 @@ class LayoutStats:
 
 def kv_shape(model) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of a causal LM, found by running it on one token."""
-    config = model.config.get_text_config()
-    layer_types = getattr(config, "layer_types", None) or []
-    unsupported = sorted({t for t in layer_types if t != "full_attention"})
-    if unsupported:
-        raise ValueError(
-            f"{type(model).__name__} has {', '.join(unsupported)} layers; batchspec supports decoder-only "
-            "models whose layers all use full attention with a KV cache (Llama, Qwen, GPT-2, Mistral, ...)"
-        )
+    attention_layout(model)  # refuses layer types it cannot serve
     cache = DynamicCache()
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), past_key_values=cache,
               use_cache=True)
     shapes = {(tuple(layer.keys.shape), tuple(layer.values.shape)) for layer in cache.layers}
-    if not all(type(layer) is DynamicLayer for layer in cache.layers) or len(shapes) != 1:
+    if not all(isinstance(layer, DynamicLayer) for layer in cache.layers) or len(shapes) != 1:
         raise ValueError(f"{type(model).__name__} uses a KV cache layout batchspec does not support "
                          "(layers of different shapes or non-attention state)")
     (k_shape, v_shape), = shapes
@@ -94,6 +88,10 @@ class ModelRunner:
     def __init__(self, model, name: str, vocab_size: int, rows: int, capacity: int, timer=None,
                  debug: bool = False, forward: str = "auto") -> None:
         self.model, self.name, self.vocab_size = model, name, vocab_size
+        self.attention = attention_layout(model)
+        # LongRoPE: rows longer than this are rotated (and recomputed) long, per row (core/attention.py)
+        self.rope_limit = rope_limit(model)
+        self.long_rows: set[int] = set()  # request ids this model holds in the long regime
         self.forward = make_forward(model, forward)
         self.device, self.dtype = model.device, model.dtype
         layers, heads, head_dim = kv_shape(model)
@@ -137,12 +135,19 @@ class ModelRunner:
             batch = RowBatch(self.kv, row_slots, full_starts, full_counts)
             self.kv.make_clean(slots, batch.width)
             positions, visible = row_inputs(full_starts, n, batch.width, self.device)
-            if n == 1 and index is None and len(set(starts)) == 1:
+            if n == 1 and index is None and len(set(starts)) == 1 and SLIDING not in self.attention.kinds:
                 visible = None  # one token per row, all rows the same length: every key is visible
+            else:
+                visible = layer_masks(visible, positions, self.attention)
             select = None
             if logits == "last":
                 select = torch.tensor([c - 1 for c in full_counts], device=self.device).clamp(min=0)
-        out = self.forward(full_ids, positions, batch, visible, select=select if logits != "none" else False)
+        rows_long = None
+        if self.rope_limit is not None:
+            by_slot = {r.slot: r.index in self.long_rows for r in reqs}
+            rows_long = [by_slot.get(s, False) for s in row_slots]
+        with rope_rows(self.model, rows_long):
+            out = self.forward(full_ids, positions, batch, visible, select=select if logits != "none" else False)
         self.stats.forwards += 1
         for r, c in zip(reqs, counts):
             self.fed[r.index] = self.fed.get(r.index, 0) + c
@@ -172,7 +177,19 @@ class ModelRunner:
 
     def release(self, req: Request) -> None:
         self.fed.pop(req.index, None)
+        self.long_rows.discard(req.index)
         req.kv_len.pop(self.name, None)
+
+    def enter_long_rope(self, req: Request) -> bool:
+        """LongRoPE: once `req` is longer than the limit its whole KV belongs to the long regime.
+        Returns True when that drops what this model held of it (to be recomputed, as transformers'
+        generate does at that step)."""
+        if self.rope_limit is None or req.num_tokens <= self.rope_limit or req.index in self.long_rows:
+            return False
+        self.long_rows.add(req.index)
+        dropped = req.kv_len.get(self.name, 0) > 0
+        req.kv_len[self.name] = 0
+        return dropped
 
     def _stage(self, name: str):
         return self.timer.stage(name) if self.timer is not None else _NULL

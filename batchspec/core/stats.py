@@ -90,6 +90,7 @@ class RunStats:
     prefill_forwards: int = 0  # prefill chunks run (one forward of each model)
     prefill_tokens: int = 0  # prompt tokens prefilled
     moved_rows: int = 0  # rows copied to another slot to keep a batch's rows together (exspec)
+    recomputed_rows: int = 0  # rows re-prefilled on entering LongRoPE's long regime
     aborted: int = 0
     finished: int = 0  # requests that ended (aborted ones included)
     peak_kv_tokens: int = 0  # most target KV tokens committed at once
@@ -99,7 +100,7 @@ class RunStats:
     def merge(self, other: RunStats) -> None:
         """Add `other` (one step's numbers) into these; peaks take the maximum."""
         for name in ("rounds", "row_rounds", "drafted", "accepted", "emitted", "idle_rows", "padding_tokens",
-                     "prefill_forwards", "prefill_tokens", "moved_rows", "aborted", "finished",
+                     "prefill_forwards", "prefill_tokens", "moved_rows", "recomputed_rows", "aborted", "finished",
                      "wall"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accept_hist.update(other.accept_hist)

@@ -22,9 +22,17 @@ from ..sampling import BatchSampling, draw_uniforms, probabilities
 from ..verify import greedy_verify, rejection_verify
 
 
-def draft_lengths(batch: list[Request], gamma: int) -> list[int]:
-    """γ_i per row: never more drafts than the row can still emit after its bonus token."""
-    return [max(0, min(gamma, r.remaining - 1)) for r in batch]
+def draft_lengths(batch: list[Request], gamma: int, rope_limit: int | None = None) -> list[int]:
+    """γ_i per row: never more drafts than the row can still emit after its bonus token, and for
+    a LongRoPE target a row at or below the limit L0 verifies no position beyond L0 - 1, so one
+    pass never mixes the short and the long regime (see core/attention.py)."""
+    out = []
+    for r in batch:
+        g = min(gamma, r.remaining - 1)
+        if rope_limit is not None and r.num_tokens <= rope_limit:
+            g = min(g, rope_limit - r.num_tokens)
+        out.append(max(0, g))
+    return out
 
 
 def run_round(engine, batch: list[Request], stats: RunStats) -> None:
@@ -33,7 +41,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     device = engine.device
     sampling = BatchSampling.of([r.params for r in batch], device)
     u = None if sampling.all_greedy else draw_uniforms([r.generator for r in batch], 2 * gamma + 1, device)
-    lengths = draft_lengths(batch, gamma)
+    lengths = draft_lengths(batch, gamma, target.rope_limit)
     g = max(lengths)
 
     if g > 0:
