@@ -33,7 +33,7 @@ class EngineConfig:
                   longer than a row is refused when it is added; others wait for a free row.
     max_prefill_tokens  at most this many prompt-token slots (rows x width) per prefill forward;
                   longer prompts are prefilled in chunks interleaved with decoding rounds.
-    debug         check the batch layout invariants after every alignment (slow).
+    debug         check the KV layout invariants at every commit.
     profile       synchronise the device at stage boundaries so stage timers are exact on CUDA.
     """
 
