@@ -42,9 +42,13 @@ MAX_PREFILL = typer.Option(2048, "--max-prefill-tokens", help="Prompt-token slot
                                                               "are prefilled in chunks between decoding rounds)")
 
 
-def engine_options(refill: str, max_kv_tokens: int | None, max_prefill_tokens: int) -> dict:
+ADAPTIVE = typer.Option(False, "--adaptive", help="Choose each round's draft length (0..gamma) from measured costs "
+                                                   "and acceptance (profiles the models for a few seconds first)")
+
+
+def engine_options(refill: str, max_kv_tokens: int | None, max_prefill_tokens: int, adaptive: bool = False) -> dict:
     """The serving options every command passes to EngineConfig alike."""
-    return dict(refill=refill, max_kv_tokens=max_kv_tokens, max_prefill_tokens=max_prefill_tokens)
+    return dict(refill=refill, max_kv_tokens=max_kv_tokens, max_prefill_tokens=max_prefill_tokens, adaptive=adaptive)
 
 
 def parse_list(text: str, kind=str, name: str = "list") -> list:
@@ -113,7 +117,7 @@ def generate(
     output: Path = typer.Option(None, "--output", help="Write outputs as JSONL"),
     temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
     window: int = WINDOW, sort_by_length: bool = SORT, drafter: str = DRAFTER, forward: str = FORWARD,
-    refill: str = REFILL, max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL,
+    refill: str = REFILL, max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL, adaptive: bool = ADAPTIVE,
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable): the text is cut before it"),
     dtype: str = DTYPE, device: str = DEVICE,
     quiet: bool = typer.Option(False, "--quiet", help="Do not print completions"),
@@ -130,7 +134,7 @@ def generate(
         params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, len(texts), stop)
         config = EngineConfig(method=method, gamma=gamma, batch_size=batch_size, window=window,
                               sort_by_length=sort_by_length, drafter=drafter, forward=forward,
-                              **engine_options(refill, max_kv_tokens, max_prefill_tokens))
+                              **engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive))
         if output is not None and not output.parent.exists():
             raise ValueError(f"output folder {output.parent} does not exist")
         engine = SpecEngine.from_pretrained(target, draft, config, dtype=dtype, device=device)
@@ -169,7 +173,7 @@ def verify(
     gamma: int = GAMMA, max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     prompts: Path = PROMPTS, num_prompts: int = typer.Option(16, "--num-prompts"),
     drafter: str = DRAFTER, window: int = WINDOW, forward: str = FORWARD,
-    refill: str = REFILL, max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL,
+    refill: str = REFILL, max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL, adaptive: bool = ADAPTIVE,
     hf_check: int = typer.Option(3, "--hf-check", help="Prompts on which the reference is checked against "
                                                         "transformers' generate (0 = skip)"),
     temperature: float = typer.Option(0.0, "--temperature", help="> 0: check the sampling distribution instead"),
@@ -187,7 +191,7 @@ def verify(
     try:
         method_list = parse_list(methods, str, "--methods")
         sizes = parse_list(batch_sizes, int, "--batch-sizes")
-        options = engine_options(refill, max_kv_tokens, max_prefill_tokens)
+        options = engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive)
         for m in method_list:
             for bs in sizes:
                 EngineConfig(method=m, batch_size=bs, gamma=gamma, drafter=drafter,
@@ -214,7 +218,7 @@ def verify(
 
 
 def _options(config: dict) -> dict:
-    return {k: config[k] for k in ("refill", "max_kv_tokens", "max_prefill_tokens")}
+    return {k: config[k] for k in ("refill", "max_kv_tokens", "max_prefill_tokens", "adaptive")}
 
 
 def _verify_greedy(pair, ids, methods, sizes, gamma, params, drafter, window, hf_check, config, json_path) -> bool:
@@ -288,6 +292,8 @@ def bench(
     refill: str = typer.Option("continuous", "--refill", help="Comma-separated: continuous, none (the paper's fixed "
                                                               "batches)"),
     max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL,
+    adaptive: str = typer.Option("off", "--adaptive", help="Comma-separated for eqspec/exspec: off (fixed γ), on "
+                                                           "(γ chosen per round, at most --gamma)"),
     peers: str = typer.Option("", "--peers", help="'hf' adds transformers generate / assisted generation"),
     repeat: int = typer.Option(1, "--repeat", help="Timed rounds per cell (interleaved); medians are reported"),
     temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
@@ -327,6 +333,9 @@ def bench(
             raise ValueError(f"--window takes sizes like 64 or multiples like 4x, got {window!r}")
         forward_list = parse_list(forward, str, "--forward")
         refills = parse_list(refill, str, "--refill")
+        adaptives = parse_list(adaptive, str, "--adaptive")
+        if any(a not in ("off", "on") for a in adaptives):
+            raise ValueError(f"--adaptive takes off, on or off,on; got {adaptive!r}")
         options = dict(max_kv_tokens=max_kv_tokens, max_prefill_tokens=max_prefill_tokens)
         for m in method_list:
             for bs in sizes:
@@ -355,7 +364,8 @@ def bench(
 
             report = run_bench(pair, ids, params, methods=method_list, batch_sizes=sizes, gammas=gammas,
                                drafters=drafter_list, peers=peers == "hf", repeat=repeat, windows=windows,
-                               forwards=forward_list, refills=refills, engine_options=options,
+                               forwards=forward_list, refills=refills, adaptives=[a == "on" for a in adaptives],
+                               engine_options=options,
                                sort_by_length=sort_by_length, profile=profile, progress=step)
     except ValueError as exc:
         fail(str(exc))
@@ -384,7 +394,8 @@ def serve(
     batch_size: int = typer.Option(None, "--batch-size", "--max-batch-size",
                                    help="Rows verified together per round (default: EngineConfig's, 8)"),
     gamma: int = GAMMA, window: int = WINDOW, drafter: str = DRAFTER, forward: str = FORWARD, refill: str = REFILL,
-    max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL, dtype: str = DTYPE, device: str = DEVICE,
+    max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL, adaptive: bool = ADAPTIVE, dtype: str = DTYPE,
+    device: str = DEVICE,
     max_waiting: int = typer.Option(256, "--max-waiting", help="Requests allowed to wait for a row; more get 429"),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless told otherwise)"),
     port: int = typer.Option(8000, "--port"),
@@ -403,7 +414,7 @@ def serve(
         defaults = EngineConfig()
         config = EngineConfig(method=method or defaults.method, gamma=gamma,
                               batch_size=batch_size or defaults.batch_size, window=window, drafter=drafter,
-                              forward=forward, **engine_options(refill, max_kv_tokens, max_prefill_tokens))
+                              forward=forward, **engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive))
         if max_waiting < 0:
             raise ValueError(f"--max-waiting must be >= 0, got {max_waiting}")
         engine = SpecEngine.from_pretrained(target, draft, config, dtype=dtype, device=device)

@@ -33,6 +33,11 @@ class EngineConfig:
                   longer than a row is refused when it is added; others wait for a free row.
     max_prefill_tokens  at most this many prompt-token slots (rows x width) per prefill forward;
                   longer prompts are prefilled in chunks interleaved with decoding rounds.
+    adaptive      choose each round's draft length (0..gamma) from measured step costs and the rows'
+                  acceptance, maximising expected tokens per second (see sched/adaptive.py); gamma is
+                  then the most it drafts (ignored by autoregressive). Greedy output is unchanged;
+                  sampled output stays distributed as the target's, but a seeded request's sample
+                  then depends on its batch.
     debug         check the KV layout invariants at every commit.
     profile       synchronise the device at stage boundaries so stage timers are exact on CUDA.
     """
@@ -47,6 +52,7 @@ class EngineConfig:
     refill: str = "continuous"
     max_kv_tokens: int | None = None
     max_prefill_tokens: int = 2048
+    adaptive: bool = False
     debug: bool = False
     profile: bool = False
 

@@ -39,6 +39,7 @@ from .drafters import make_drafter, parse_drafter
 from .models import ModelPair, context_length
 from .sampling import SamplingParams, make_generator
 from .sched import make_scheduler, plan_prefill
+from .sched.adaptive import AdaptivePolicy, CostModel
 from .sched.slots import SlotTable, arrange
 
 KV_MEMORY_FRACTION = 0.5  # at most this share of the memory free at start-up, when no --max-kv-tokens is given
@@ -86,6 +87,7 @@ class SpecEngine:
         if cfg.speculative:
             self.drafter = make_drafter(cfg.drafter, draft_runner=self.draft_runner, device=self.device,
                                         vocab_size=pair.vocab_size, compute_reference=self._oracle_reference)
+        self.policy = self._adaptive_policy() if cfg.adaptive and cfg.speculative else None
 
     @classmethod
     def from_pretrained(cls, target: str | None = None, draft: str | None = None,
@@ -101,6 +103,17 @@ class SpecEngine:
     @property
     def gamma(self) -> int:
         return self.config.gamma if self.config.speculative else 0
+
+    def _adaptive_policy(self) -> AdaptivePolicy:
+        """Profile the step costs the policy needs (a few seconds, cached) and build it."""
+        from .bench.costs import profile_costs
+
+        if self.draft_runner is None:
+            raise ValueError("adaptive speculation needs a draft model to profile; drop --adaptive or pass --draft")
+        cfg = self.config
+        rows, cols = (1, max(2, cfg.batch_size)), (1, cfg.gamma + 1)
+        profile = profile_costs(self.pair.target, self.pair.draft, rows, cols, forward=cfg.forward)
+        return AdaptivePolicy(CostModel(rows, cols, profile["verify_s"], profile["draft_s"]), cfg.gamma)
 
     def _row_capacity(self, target, draft) -> int:
         """Columns per row: `max_kv_tokens` / rows, or the model context (+ one round), capped so

@@ -60,3 +60,21 @@ def step_costs(target, draft, batch: int, context: int, gamma: int, forward: str
     tv = step_time(target, batch, context, gamma + 1, forward=forward)
     td = step_time(draft, batch, context, 1, forward=forward) if draft is not None else 0.0
     return {"c": td / t1, "v": tv / t1, "target_step_s": t1, "draft_step_s": td, "verify_step_s": tv}
+
+
+_PROFILES: dict[tuple, dict] = {}
+
+
+def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, int], context: int = 128,
+                  forward: str = "auto", repeats: int = 3) -> dict:
+    """Seconds of a verify pass at rows x cols and of a draft step at each of `rows`, through the
+    engine's forward, for the adaptive policy (`sched.adaptive.CostModel`). A few forwards per grid
+    point; cached per model, device, dtype, thread count and grid."""
+    key = (id(target), id(draft), str(target.device), str(target.dtype), torch.get_num_threads(), rows, cols,
+           context, forward)
+    if key not in _PROFILES:
+        _PROFILES[key] = {
+            "verify_s": {(b, n): step_time(target, b, context, n, repeats, forward) for b in rows for n in cols},
+            "draft_s": {b: step_time(draft, b, context, 1, repeats, forward) for b in rows},
+        }
+    return _PROFILES[key]

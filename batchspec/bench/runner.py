@@ -32,6 +32,7 @@ class Cell:
     window: int | None = None  # exspec only
     forward: str | None = None  # ours only: EngineConfig.forward
     refill: str | None = None  # ours only: EngineConfig.refill
+    adaptive: bool = False  # eqspec / exspec only: EngineConfig.adaptive
 
     @property
     def name(self) -> str:
@@ -39,7 +40,7 @@ class Cell:
         the transformers modules instead of the default forward, "eqspec[fixed]" with the paper's
         fixed batches (refill none)."""
         tags = [t for t in (None if self.forward in (None, "auto") else self.forward,
-                            "fixed" if self.refill == "none" else None) if t]
+                            "fixed" if self.refill == "none" else None, "adaptive" if self.adaptive else None) if t]
         return f"{self.method}[{','.join(tags)}]" if tags else self.method
 
     @property
@@ -67,7 +68,7 @@ def window_sizes(spec: list[str], batch_size: int) -> list[int]:
 
 def plan(methods: list[str], batch_sizes: list[int], gammas: list[int], drafters: list[str],
          peers: bool, windows: list[str] = ("4x",), forwards: list[str] = ("auto",),
-         refills: list[str] = ("continuous",)) -> tuple[list[Cell], list[str]]:
+         refills: list[str] = ("continuous",), adaptives: list[bool] = (False,)) -> tuple[list[Cell], list[str]]:
     """The grid, ordered so our methods and the peers alternate; plus notes on what was left out."""
     cells, notes = [], []
     for bs in batch_sizes:
@@ -76,11 +77,11 @@ def plan(methods: list[str], batch_sizes: list[int], gammas: list[int], drafters
         if peers:
             cells.append(Cell("hf_generate", bs))
         if "eqspec" in methods:
-            cells.extend(Cell("eqspec", bs, g, d, forward=f, refill=r) for g in gammas for d in drafters
-                         for f in forwards for r in refills)
+            cells.extend(Cell("eqspec", bs, g, d, forward=f, refill=r, adaptive=a) for g in gammas for d in drafters
+                         for f in forwards for r in refills for a in adaptives)
         if "exspec" in methods:
-            cells.extend(Cell("exspec", bs, g, d, w, f, r) for g in gammas for d in drafters
-                         for w in window_sizes(list(windows), bs) for f in forwards for r in refills)
+            cells.extend(Cell("exspec", bs, g, d, w, f, r, a) for g in gammas for d in drafters
+                         for w in window_sizes(list(windows), bs) for f in forwards for r in refills for a in adaptives)
         if peers and bs == 1:
             cells.extend(Cell("hf_assisted", 1, g) for g in gammas)
     if peers and 1 not in batch_sizes:
@@ -117,7 +118,7 @@ class Bench:
             config = EngineConfig(method=cell.method, batch_size=cell.batch_size, gamma=cell.gamma or 1,
                                   drafter=cell.drafter or "draft_model", sort_by_length=self.sort_by_length,
                                   window=cell.window, profile=self.profile, forward=cell.forward or "auto",
-                                  refill=cell.refill or "continuous", **self.engine_options)
+                                  refill=cell.refill or "continuous", adaptive=cell.adaptive, **self.engine_options)
             self.engines[cell] = SpecEngine(self.pair, config)
         return self.engines[cell]
 
@@ -202,6 +203,7 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
             row.update({k: stats[k] for k in ("acceptance_rate", "tokens_per_round", "time_share",
                                               "idle_rows_per_round", "padding_tokens_per_round",
                                               "mean_batch_occupancy", "moved_rows_per_round", "peak_kv_tokens",
+                                              "adaptive",
                                               "prefill_forwards")})
             row["accept_hist"] = {str(k): hist[k] for k in sorted(hist)}
         if cell.method in ("eqspec", "exspec") and (cell.batch_size, cell.gamma, fwd) in costs:

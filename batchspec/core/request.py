@@ -24,6 +24,8 @@ class RequestStats:
     rounds: int = 0  # target forward passes this request took part in (prefill excluded)
     drafted: int = 0  # draft tokens proposed for it
     accepted: int = 0  # draft tokens the target accepted
+    first_drafted: int = 0  # rounds in which it drafted at least one token
+    first_accepted: int = 0  # ... and the first draft was accepted
 
     @property
     def acceptance_rate(self) -> float:

@@ -94,6 +94,9 @@ class RunStats:
     aborted: int = 0
     finished: int = 0  # requests that ended (aborted ones included)
     peak_kv_tokens: int = 0  # most target KV tokens committed at once
+    gamma_hist: Counter = field(default_factory=Counter)  # adaptive: rounds per chosen draft length
+    predicted_s: float = 0.0  # adaptive: the policy's predicted draft + verify seconds, summed
+    measured_s: float = 0.0  # ... and what those stages took
     wall: float = 0.0
     stage_time: dict[str, float] = field(default_factory=dict)
 
@@ -101,9 +104,10 @@ class RunStats:
         """Add `other` (one step's numbers) into these; peaks take the maximum."""
         for name in ("rounds", "row_rounds", "drafted", "accepted", "emitted", "idle_rows", "padding_tokens",
                      "prefill_forwards", "prefill_tokens", "moved_rows", "recomputed_rows", "aborted", "finished",
-                     "wall"):
+                     "predicted_s", "measured_s", "wall"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accept_hist.update(other.accept_hist)
+        self.gamma_hist.update(other.gamma_hist)
         for k, v in other.stage_time.items():
             self.stage_time[k] = self.stage_time.get(k, 0.0) + v
         self.peak_kv_tokens = max(self.peak_kv_tokens, other.peak_kv_tokens)
@@ -126,5 +130,8 @@ class RunStats:
             "prefill_tokens": self.prefill_tokens,
             "moved_rows_per_round": self.moved_rows / rounds,
             "peak_kv_tokens": self.peak_kv_tokens,
+            "adaptive": {"gamma_hist": {str(k): v for k, v in sorted(self.gamma_hist.items())},
+                         "predicted_over_measured": self.predicted_s / self.measured_s if self.measured_s else None}
+            if self.gamma_hist else None,
             "time_share": share,
         }

@@ -42,6 +42,12 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     sampling = BatchSampling.of([r.params for r in batch], device)
     u = None if sampling.all_greedy else draw_uniforms([r.generator for r in batch], 2 * gamma + 1, device)
     lengths = draft_lengths(batch, gamma, target.rope_limit)
+    policy = engine.policy
+    if policy is not None:  # adaptive: this round's g from costs and acceptance (sched/adaptive.py)
+        alphas = [policy.alpha(r.stats.first_accepted, r.stats.first_drafted) for r in batch]
+        g = policy.choose(alphas, lengths)
+        lengths = [min(n, g) for n in lengths]
+        before = dict(timer.totals)
     g = max(lengths)
 
     if g > 0:
@@ -68,6 +74,12 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     target.commit(batch, [1 + a for a in accepted])  # the newest token and the accepted drafts
     if g > 0:
         engine.drafter.observe(batch, accepted)
+    if policy is not None:
+        spent = timer.since(before)
+        policy.observe(accepted, lengths, spent["verify"], spent["draft"])
+        stats.gamma_hist[g] += 1
+        stats.predicted_s += policy.last["predicted_s"]
+        stats.measured_s += spent["verify"] + spent["draft"]
 
     stats.rounds += 1
     stats.row_rounds += len(batch)
@@ -80,6 +92,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         if gamma > 0:
             req.stats.drafted += n
             req.stats.accepted += a
+            req.stats.first_drafted += n > 0
+            req.stats.first_accepted += n > 0 and a > 0
             stats.drafted += n
             stats.accepted += a
             stats.accept_hist[a] += 1

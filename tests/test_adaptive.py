@@ -1,0 +1,76 @@
+"""Adaptive speculation: the policy on hand-made numbers, and exactness with it on."""
+
+from __future__ import annotations
+
+import pytest
+from tiny import pair, prompts, references
+
+from batchspec import EngineConfig, SamplingParams, SpecEngine
+from batchspec.sched.adaptive import AdaptivePolicy, CostModel, expected_tokens, expected_tokens_runs
+
+
+def cost(draft=0.002, v1=0.020, v4=0.032) -> CostModel:
+    return CostModel(rows=(1, 8), cols=(1, 4), verify_s={(1, 1): 0.01, (1, 4): 0.011, (8, 1): v1, (8, 4): v4},
+                     draft_s={1: draft, 8: draft})
+
+
+def test_docstring_example():
+    policy = AdaptivePolicy(cost(), gamma_max=3, margin=1.0)
+    assert expected_tokens(0.6, 3) == pytest.approx(2.176)
+    assert policy.choose([0.6] * 8, [3] * 8) == 1
+    assert AdaptivePolicy(cost(), gamma_max=3, prior=0.95, margin=1.0).choose([0.95] * 8, [3] * 8) == 3
+    assert policy.choose([0.2] * 8, [3] * 8) == 0  # speculation does not pay: a plain decoding round
+    assert policy.choose([0.95] * 8, [0] * 8) == 0  # no row may draft (all about to finish)
+
+
+def test_choice_is_the_best_on_the_grid():
+    c = cost(draft=0.004, v1=0.020, v4=0.050)
+    policy = AdaptivePolicy(c, gamma_max=3, prior=0.8, margin=1.0)
+    later = policy.later_rates()
+    alphas, caps = [0.9, 0.8, 0.5, 0.2, 0.7, 0.6, 0.9, 0.95], [3, 3, 3, 3, 1, 3, 2, 3]
+    rates = [sum(expected_tokens_runs(a, later, min(g, k)) for a, k in zip(alphas, caps))
+             / (g * c.draft(8) + c.verify(8, g + 1)) for g in range(4)]
+    assert policy.choose(alphas, caps) == max(range(4), key=rates.__getitem__)
+
+
+def test_runs_of_acceptance_are_learned_per_position():
+    policy = AdaptivePolicy(cost(), gamma_max=3, prior=0.5)
+    for _ in range(200):  # d_1 accepted half the time; once it is, d_2 and d_3 always are
+        policy.observe([0, 3], [3, 3], 0.0, 0.0)
+    assert policy.alpha(0, 0) == pytest.approx(0.5, abs=0.02)
+    assert all(r > 0.95 for r in policy.later_rates())
+    assert expected_tokens_runs(0.5, policy.later_rates(), 3) > expected_tokens(0.5, 3) + 0.4
+
+
+def test_margin_keeps_plain_decoding_when_the_gain_is_within_it():
+    c = cost(draft=0.0, v1=0.020, v4=0.020 * 1.6)
+    # γ = 1 gives 8 x 1.24 / 24 ms = 413 tok/s against 8 / 20 ms = 400: 3 % better, within a 5 % margin
+    assert AdaptivePolicy(c, gamma_max=1, prior=0.24, margin=1.0).choose([0.24] * 8, [3] * 8) == 1
+    assert AdaptivePolicy(c, gamma_max=1, prior=0.24, margin=1.05).choose([0.24] * 8, [3] * 8) == 0
+
+
+def test_costs_interpolate_and_follow_measurements():
+    c = cost()
+    assert c.verify(8, 1) == pytest.approx(0.020) and c.verify(8, 4) == pytest.approx(0.032)
+    assert c.verify(8, 2) == pytest.approx(0.024) and c.verify(4, 1) == pytest.approx(0.01 + 3 / 7 * 0.01)
+    for _ in range(100):
+        c.correct(c.verify(8, 4), 2 * 0.032, 0.006, 0.006)
+    assert c.verify(8, 4) == pytest.approx(0.064, rel=0.01)  # a machine twice as slow as profiled
+
+
+def test_acceptance_estimate_moves_from_the_prior_to_the_record():
+    policy = AdaptivePolicy(cost(), gamma_max=3, prior=0.6)
+    assert policy.alpha(0, 0) == pytest.approx(0.6)
+    assert policy.alpha(0, 40) < 0.1 and policy.alpha(40, 40) > 0.9
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+def test_adaptive_greedy_is_exact(method):
+    p = pair("llama", "perturbed")
+    ids = prompts(16, seed=7)
+    refs = references(p, ids, 20)
+    for bs in (1, 4, 16):
+        engine = SpecEngine(p, EngineConfig(method=method, batch_size=bs, gamma=4, adaptive=True))
+        assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=20))] == refs
+        decided = engine.stats.summary()["adaptive"]
+        assert decided is not None and sum(decided["gamma_hist"].values()) == engine.stats.rounds
