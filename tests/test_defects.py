@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import make_model, run_rows
+from tiny import VOCAB, make_model, run_rows
 
 from batchspec.core.forward import HFForward, make_forward
 from batchspec.sampling import BatchSampling, SamplingParams, draw_uniforms, make_generator, probabilities, sample
@@ -157,3 +157,13 @@ def test_a_row_without_top_p_is_not_filtered_by_its_batch_mates():
     mixed = probabilities(logits.expand(2, 1, 3), BatchSampling.of(both, "cpu"))
     assert torch.equal(mixed[0], alone[0])
     assert mixed[1, 0].tolist() == [0.5, 0.5, 0.0]  # top-p 0.5 keeps the tie at its threshold, not the tail
+
+
+def test_an_engine_whose_model_was_moved_says_so():
+    from batchspec import EngineConfig, ModelPair, SpecEngine
+
+    model = make_model("llama", 64, 2, seed=0)
+    engine = SpecEngine(ModelPair(model, None, None, VOCAB, ()), EngineConfig(method="autoregressive"))
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match="build a new engine"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))

@@ -67,8 +67,6 @@ class RowKV:
             copied = min(old[s], width)  # columns of dst now holding finite values from src
             self.clean[d] = max(copied, old[d]) if copied == width else copied
 
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
 
 
 class _Layer(CacheLayerMixin):

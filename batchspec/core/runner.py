@@ -94,6 +94,8 @@ class ModelRunner:
         self.long_rows: set[int] = set()  # request ids this model holds in the long regime
         self.forward = make_forward(model, forward)
         self.device, self.dtype = model.device, model.dtype
+        # a Parameter object survives `model.to(...)` (only its data changes): a cheap way to see a move
+        self._probe = next(model.parameters())
         layers, heads, head_dim = kv_shape(model)
         self.kv = RowKV(layers, heads, head_dim, rows, capacity, model.dtype, self.device)
         self.fed: dict[int, int] = {}  # request id -> tokens fed since its last commit
@@ -108,18 +110,18 @@ class ModelRunner:
         `reqs` are ordered by slot. Returns logits over the real vocabulary: "all" -> [b, n, V],
         "last" -> [b, V] at each row's last real column, "none" -> None.
         """
-        if self.model.dtype != self.dtype or self.model.device != self.device:
-            raise RuntimeError(f"the {self.name} model was moved to {self.model.device}/{self.model.dtype} after "
+        if self._probe.dtype != self.dtype or self._probe.device != self.device:
+            raise RuntimeError(f"the {self.name} model was moved to {self._probe.device}/{self._probe.dtype} after "
                                f"this engine was built on {self.device}/{self.dtype}; build a new engine")
         name = self.name
         with self._stage("align"):
             slots = [r.slot for r in reqs]
             starts = [r.kv_len.get(name, 0) + self.fed.get(r.index, 0) for r in reqs]
             n = ids.shape[1]
-            index = None
-            if is_tight(slots) and slots != sorted(slots):
+            index, tight = None, is_tight(slots)
+            if tight and slots != sorted(slots):
                 raise ValueError("feed() takes the batch in slot order")
-            if is_tight(slots) and slots[-1] - slots[0] + 1 != len(slots):  # idle rows inside the range
+            if tight and slots[-1] - slots[0] + 1 != len(slots):  # idle rows inside the range
                 lo, hi = slots[0], slots[-1] + 1
                 full_starts, full_counts = [0] * (hi - lo), [0] * (hi - lo)
                 for s, st, c in zip(slots, starts, counts):
@@ -131,7 +133,7 @@ class ModelRunner:
                 self.stats.idle_rows += hi - lo - len(reqs)
             else:  # a contiguous run, or rows spread too far apart: gathered (only prefills get here)
                 full_starts, full_counts, full_ids, row_slots = starts, counts, ids, slots
-                self.stats.gathered_rows += 0 if slots[-1] - slots[0] + 1 == len(slots) else len(slots)
+                self.stats.gathered_rows += 0 if tight else len(slots)
             batch = RowBatch(self.kv, row_slots, full_starts, full_counts)
             self.kv.make_clean(slots, batch.width)
             positions, visible = row_inputs(full_starts, n, batch.width, self.device)

@@ -32,9 +32,6 @@ class RequestQueue:
         self.pending.append(req)
         self._sorted = False
 
-    def has_work(self) -> bool:
-        return bool(self.pending or self.resident)
-
     def __len__(self) -> int:
         return len(self.pending)
 

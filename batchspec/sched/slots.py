@@ -44,9 +44,6 @@ class SlotTable:
     def free(self) -> int:
         return len(self._free)
 
-    def is_free(self, slot: int) -> bool:
-        return slot in self._free
-
     def moved(self, pairs: list[tuple[int, int]]) -> None:
         """Rows were copied src -> dst (see `arrange`): a free dst is now taken, and its src freed."""
         for src, dst in pairs:
