@@ -32,7 +32,13 @@ WINDOW = typer.Option(None, "--window", help="exspec: sequences in flight (defau
 SORT = typer.Option(False, "--sort-by-length", help="Admit prompts shortest first")
 FORWARD = typer.Option("auto", "--forward", help="How models run: auto (batchspec's lean forward for Llama-family "
                                                 "models, transformers modules otherwise), lean, hf")
-DRAFTER = typer.Option("draft_model", "--drafter", help="draft_model, or oracle:<p> (synthetic, for overhead studies)")
+DRAFTER = typer.Option("draft_model", "--drafter", help="draft_model (the draft model); ngram[:min_n,max_n,k] "
+                                                        "(prompt lookup, no model); "
+                                                        "suffix[:depth,k,min_prob,max_tokens] (suffix decoding over "
+                                                        "this and earlier requests, no model); "
+                                                        "hybrid[:min_n,max_n,k] (ngram where confident, the draft "
+                                                        "model elsewhere); oracle:<p> (synthetic, for overhead "
+                                                        "studies). See docs/drafters.md")
 REFILL = typer.Option("continuous", "--refill", help="continuous: refill a finished row at the next round; none: "
                                                      "fixed batches as in the founding paper")
 MAX_KV = typer.Option(None, "--max-kv-tokens", help="KV budget per model in tokens, allocated once as one row per "
@@ -44,11 +50,29 @@ MAX_PREFILL = typer.Option(2048, "--max-prefill-tokens", help="Prompt-token slot
 
 ADAPTIVE = typer.Option(False, "--adaptive", help="Choose each round's draft length (0..gamma) from measured costs "
                                                    "and acceptance (profiles the models for a few seconds first)")
+RAY = typer.Option(None, "--ray", metavar="ADDRESS",
+                   help="Run on Ray (needs batchspec[ray]): 'local' starts a Ray instance on this machine, 'auto' "
+                        "joins the cluster this machine belongs to, or a cluster address (ray://HOST:10001, "
+                        "HOST:6379). See docs/ray.md")
+WORKERS = typer.Option(None, "--workers", help="--ray: actors, each loading its own engine (default 1)")
+CPUS_PER_WORKER = typer.Option(None, "--cpus-per-worker", help="--ray: CPUs per actor, also its torch threads "
+                                                               "(default: 'local': this machine's cores / workers; "
+                                                               "a cluster: 1)")
+GPUS_PER_WORKER = typer.Option(None, "--gpus-per-worker", help="--ray: GPUs per actor, e.g. 1 for one actor per GPU "
+                                                               "(default 0)")
+ROWS_PER_CALL = typer.Option(None, "--rows-per-call", help="--ray: prompts per actor call, the unit a dead worker's "
+                                                           "work is retried in (default: 4 x batch size, at most an "
+                                                           "even share per worker)")
+BUDGET = typer.Option(None, "--budget", help="TETRIS: verify at most this many draft tokens per round across the "
+                                             "batch, those most likely to be accepted (with --adaptive: instead of "
+                                             "the budget it chooses)")
 
 
-def engine_options(refill: str, max_kv_tokens: int | None, max_prefill_tokens: int, adaptive: bool = False) -> dict:
+def engine_options(refill: str, max_kv_tokens: int | None, max_prefill_tokens: int, adaptive: bool = False,
+                   budget: int | None = None) -> dict:
     """The serving options every command passes to EngineConfig alike."""
-    return dict(refill=refill, max_kv_tokens=max_kv_tokens, max_prefill_tokens=max_prefill_tokens, adaptive=adaptive)
+    return dict(refill=refill, max_kv_tokens=max_kv_tokens, max_prefill_tokens=max_prefill_tokens, adaptive=adaptive,
+                budget=budget)
 
 
 def parse_list(text: str, kind=str, name: str = "list") -> list:
@@ -118,11 +142,17 @@ def generate(
     temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
     window: int = WINDOW, sort_by_length: bool = SORT, drafter: str = DRAFTER, forward: str = FORWARD,
     refill: str = REFILL, max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL, adaptive: bool = ADAPTIVE,
+    budget: int = BUDGET,
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable): the text is cut before it"),
     dtype: str = DTYPE, device: str = DEVICE,
     quiet: bool = typer.Option(False, "--quiet", help="Do not print completions"),
+    ray: str = RAY, workers: int = WORKERS, cpus_per_worker: int = CPUS_PER_WORKER,
+    gpus_per_worker: float = GPUS_PER_WORKER, rows_per_call: int = ROWS_PER_CALL,
 ):
-    """Generate completions for prompts and print them with a closing stats line."""
+    """Generate completions for prompts and print them with a closing stats line.
+
+    With --ray, `--workers` Ray actors share the prompts; outputs still come in input order, and
+    --output ending in .parquet writes Parquet."""
     from .config import EngineConfig
     from .engine import SpecEngine
     from .prompts import chat_token_ids
@@ -134,9 +164,26 @@ def generate(
         params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, len(texts), stop)
         config = EngineConfig(method=method, gamma=gamma, batch_size=batch_size, window=window,
                               sort_by_length=sort_by_length, drafter=drafter, forward=forward,
-                              **engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive))
+                              **engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive, budget))
         if output is not None and not output.parent.exists():
             raise ValueError(f"output folder {output.parent} does not exist")
+        ray_options = (workers, cpus_per_worker, gpus_per_worker, rows_per_call)
+        if ray is None and any(v is not None for v in ray_options):
+            raise ValueError("--workers, --cpus-per-worker, --gpus-per-worker and --rows-per-call need --ray")
+        if ray is not None:
+            if any(v is not None and v < 1 for v in (workers, cpus_per_worker, rows_per_call)):
+                raise ValueError("--workers, --cpus-per-worker and --rows-per-call must be >= 1")
+            if (gpus_per_worker or 0) < 0:
+                raise ValueError(f"--gpus-per-worker must be >= 0, got {gpus_per_worker}")
+            try:
+                from .ray.command import generate_on_ray
+            except ImportError as exc:
+                raise ValueError(str(exc)) from None
+            generate_on_ray(texts, config, params[0], address=ray, workers=workers or 1,
+                            cpus_per_worker=cpus_per_worker, gpus_per_worker=gpus_per_worker or 0,
+                            rows=rows_per_call, target=target, draft=draft, seed=seed, dtype=dtype, device=device,
+                            chat=chat, output=output, quiet=quiet, console=console, progress_bar=progress_bar)
+            return
         engine = SpecEngine.from_pretrained(target, draft, config, dtype=dtype, device=device)
         inputs = chat_token_ids(engine.pair.tokenizer, texts) if chat else texts
         with progress_bar() as bar:
@@ -174,6 +221,7 @@ def verify(
     prompts: Path = PROMPTS, num_prompts: int = typer.Option(16, "--num-prompts"),
     drafter: str = DRAFTER, window: int = WINDOW, forward: str = FORWARD,
     refill: str = REFILL, max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL, adaptive: bool = ADAPTIVE,
+    budget: int = BUDGET,
     hf_check: int = typer.Option(3, "--hf-check", help="Prompts on which the reference is checked against "
                                                         "transformers' generate (0 = skip)"),
     temperature: float = typer.Option(0.0, "--temperature", help="> 0: check the sampling distribution instead"),
@@ -185,13 +233,14 @@ def verify(
     """Greedy: every method's output must equal target-only greedy decoding, token for token.
     With --temperature > 0: the first two sampled tokens must follow the target's exact distribution."""
     from .config import EngineConfig
+    from .drafters import drafter_needs_model
     from .models import load_pair
     from .sampling import SamplingParams
 
     try:
         method_list = parse_list(methods, str, "--methods")
         sizes = parse_list(batch_sizes, int, "--batch-sizes")
-        options = engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive)
+        options = engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive, budget)
         for m in method_list:
             for bs in sizes:
                 EngineConfig(method=m, batch_size=bs, gamma=gamma, drafter=drafter,
@@ -200,7 +249,7 @@ def verify(
         if samples < 10:
             raise ValueError("--samples must be >= 10")
         texts = read_prompts(None, prompts, num_prompts)
-        needs_draft = any(m != "autoregressive" for m in method_list) and drafter == "draft_model"
+        needs_draft = any(m != "autoregressive" for m in method_list) and drafter_needs_model(drafter)
         pair = load_pair(target, draft, dtype=dtype, device=device, need_draft=needs_draft)
         ids = [pair.tokenizer(t)["input_ids"] for t in texts]
         config = {"target": pair.target_name, "draft": pair.draft_name, "gamma": gamma, "dtype": dtype,
@@ -218,7 +267,7 @@ def verify(
 
 
 def _options(config: dict) -> dict:
-    return {k: config[k] for k in ("refill", "max_kv_tokens", "max_prefill_tokens", "adaptive")}
+    return {k: config[k] for k in ("refill", "max_kv_tokens", "max_prefill_tokens", "adaptive", "budget")}
 
 
 def _verify_greedy(pair, ids, methods, sizes, gamma, params, drafter, window, hf_check, config, json_path) -> bool:
@@ -261,7 +310,8 @@ def _verify_sampling(pair, ids, methods, sizes, gamma, params, samples, seed, co
         for m in methods:
             for bs in sizes:
                 for row in distribution_check(pair, ids, params, method=m, batch_size=bs, gamma=gamma,
-                                              samples=samples, seed=seed, engine_options=_options(config)):
+                                              samples=samples, seed=seed,
+                                              engine_options={**_options(config), "drafter": config["drafter"]}):
                     results.append({"method": m, "batch_size": bs, **row})
                 bar.update(task, advance=1)
     table = Table(title=f"first two sampled tokens vs the target's exact distribution: T={params.temperature}, "
@@ -286,7 +336,15 @@ def bench(
     methods: str = typer.Option("autoregressive,eqspec,exspec", "--methods"),
     batch_sizes: str = typer.Option("1,4,8,16,32", "--batch-sizes"),
     gamma: str = typer.Option("3", "--gamma", help="Comma-separated γ values"),
-    drafters: str = typer.Option("draft_model", "--drafters", help="Comma-separated: draft_model, oracle:<p>"),
+    drafters: str = typer.Option("draft_model", "--drafters", help="Comma-separated: draft_model, "
+                                                                 "ngram[:min_n,max_n,k], "
+                                                                 "suffix[:depth,k,min_prob,max_tokens], "
+                                                                 "hybrid[:min_n,max_n,k], oracle:<p> (e.g. "
+                                                                 "draft_model,ngram:2,4,10,suffix; see "
+                                                                 "docs/drafters.md)"),
+    workload: str = typer.Option("plain", "--workload", help="plain: the prompts as read (the bundled ones unless "
+                                                             "--prompts); repetitive: each prompt sent twice, so "
+                                                             "outputs often copy earlier context"),
     max_new_tokens: str = typer.Option("128", "--max-new-tokens", help="Tokens per prompt: N, or LO-HI for a seeded "
                                                                          "uniform draw per prompt (a mixed workload)"),
     refill: str = typer.Option("continuous", "--refill", help="Comma-separated: continuous, none (the paper's fixed "
@@ -294,6 +352,8 @@ def bench(
     max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL,
     adaptive: str = typer.Option("off", "--adaptive", help="Comma-separated for eqspec/exspec: off (fixed γ), on "
                                                            "(γ chosen per round, at most --gamma)"),
+    budget: str = typer.Option("none", "--budget", help="Comma-separated TETRIS budgets for eqspec/exspec: none, "
+                                                        "24 (drafts verified per round) or 2x (2 x batch size)"),
     peers: str = typer.Option("", "--peers", help="'hf' adds transformers generate / assisted generation"),
     repeat: int = typer.Option(1, "--repeat", help="Timed rounds per cell (interleaved); medians are reported"),
     temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
@@ -314,14 +374,17 @@ def bench(
     from .bench import markdown_table, run_bench
     from .bench.report import scheduling_table
     from .config import EngineConfig
-    from .drafters import parse_drafter
+    from .drafters import drafter_needs_model, parse_drafter, split_drafters
     from .models import load_pair
+    from .prompts import apply_workload
 
     try:
         method_list = parse_list(methods, str, "--methods")
         sizes = parse_list(batch_sizes, int, "--batch-sizes")
         gammas = parse_list(gamma, int, "--gamma")
-        drafter_list = parse_list(drafters, str, "--drafters")
+        drafter_list = split_drafters(drafters)
+        if not drafter_list:
+            raise ValueError("--drafters is empty")
         if peers not in ("", "hf"):
             raise ValueError(f"--peers takes 'hf' (transformers), got {peers!r}")
         if repeat < 1:
@@ -336,6 +399,9 @@ def bench(
         adaptives = parse_list(adaptive, str, "--adaptive")
         if any(a not in ("off", "on") for a in adaptives):
             raise ValueError(f"--adaptive takes off, on or off,on; got {adaptive!r}")
+        budgets = parse_list(budget, str, "--budget")
+        if not all(b == "none" or re.fullmatch(r"[1-9][0-9]*x?", b) for b in budgets):
+            raise ValueError(f"--budget takes none, counts like 24 or multiples like 2x, got {budget!r}")
         options = dict(max_kv_tokens=max_kv_tokens, max_prefill_tokens=max_prefill_tokens)
         for m in method_list:
             for bs in sizes:
@@ -343,12 +409,12 @@ def bench(
                     for f in forward_list:
                         for r in refills:
                             EngineConfig(method=m, batch_size=bs, gamma=g, forward=f, refill=r, **options)
-        texts = read_prompts(None, prompts, num_prompts)
+        texts = apply_workload(workload, read_prompts(None, prompts, num_prompts))
         params = [replace(p, max_new_tokens=n) for p, n in
                   zip(sampling_params(1, temperature, top_k, top_p, seed, len(texts)),
                       new_token_counts(max_new_tokens, len(texts), seed))]
-        needs_draft = peers == "hf" or ("draft_model" in drafter_list and any(m != "autoregressive"
-                                                                              for m in method_list))
+        needs_draft = peers == "hf" or (any(drafter_needs_model(d) for d in drafter_list)
+                                        and any(m != "autoregressive" for m in method_list))
         pair = load_pair(target, draft, dtype=dtype, device=device, need_draft=needs_draft)
         ids = [pair.tokenizer(t)["input_ids"] for t in texts]
         if prompt_tokens is not None:
@@ -365,10 +431,12 @@ def bench(
             report = run_bench(pair, ids, params, methods=method_list, batch_sizes=sizes, gammas=gammas,
                                drafters=drafter_list, peers=peers == "hf", repeat=repeat, windows=windows,
                                forwards=forward_list, refills=refills, adaptives=[a == "on" for a in adaptives],
+                               budgets=budgets,
                                engine_options=options,
                                sort_by_length=sort_by_length, profile=profile, progress=step)
     except ValueError as exc:
         fail(str(exc))
+    report["config"]["workload"] = workload
     typer.echo(markdown_table(report["results"]))
     sched = scheduling_table(report["results"])
     if sched:
@@ -394,7 +462,8 @@ def serve(
     batch_size: int = typer.Option(None, "--batch-size", "--max-batch-size",
                                    help="Rows verified together per round (default: EngineConfig's, 8)"),
     gamma: int = GAMMA, window: int = WINDOW, drafter: str = DRAFTER, forward: str = FORWARD, refill: str = REFILL,
-    max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL, adaptive: bool = ADAPTIVE, dtype: str = DTYPE,
+    max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL, adaptive: bool = ADAPTIVE,
+    budget: int = BUDGET, dtype: str = DTYPE,
     device: str = DEVICE,
     max_waiting: int = typer.Option(256, "--max-waiting", help="Requests allowed to wait for a row; more get 429"),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless told otherwise)"),
@@ -414,7 +483,8 @@ def serve(
         defaults = EngineConfig()
         config = EngineConfig(method=method or defaults.method, gamma=gamma,
                               batch_size=batch_size or defaults.batch_size, window=window, drafter=drafter,
-                              forward=forward, **engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive))
+                              forward=forward,
+                              **engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive, budget))
         if max_waiting < 0:
             raise ValueError(f"--max-waiting must be >= 0, got {max_waiting}")
         engine = SpecEngine.from_pretrained(target, draft, config, dtype=dtype, device=device)

@@ -38,6 +38,9 @@ class EngineConfig:
                   then the most it drafts (ignored by autoregressive). Greedy output is unchanged;
                   sampled output stays distributed as the target's, but a seeded request's sample
                   then depends on its batch.
+    budget        TETRIS: verify at most this many draft tokens per round across the batch, chosen by
+                  estimated cumulative acceptance (only prefixes of rows' drafts); with adaptive the
+                  policy otherwise chooses the budget itself each round (sched/adaptive.py).
     debug         check the KV layout invariants at every commit.
     profile       synchronise the device at stage boundaries so stage timers are exact on CUDA.
     """
@@ -53,6 +56,7 @@ class EngineConfig:
     max_kv_tokens: int | None = None
     max_prefill_tokens: int = 2048
     adaptive: bool = False
+    budget: int | None = None
     debug: bool = False
     profile: bool = False
 
@@ -74,6 +78,8 @@ class EngineConfig:
             raise ValueError(f"unknown refill {self.refill!r}; choose one of {', '.join(REFILLS)}")
         if self.max_kv_tokens is not None and (not isinstance(self.max_kv_tokens, int) or self.max_kv_tokens < 1):
             raise ValueError(f"max_kv_tokens must be a positive integer (tokens per model), got {self.max_kv_tokens!r}")
+        if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
+            raise ValueError(f"budget must be a positive integer (drafts verified per round), got {self.budget!r}")
         if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be a positive integer, got {self.max_prefill_tokens!r}")
 

@@ -35,7 +35,7 @@ from .core.request import FinishReason, Output, Request, StepOutput
 from .core.runner import ModelRunner, content_ids, kv_shape
 from .core.stats import RunStats, StageTimer
 from .decode import run_round
-from .drafters import make_drafter, parse_drafter
+from .drafters import drafter_needs_model, drafter_uses_model, make_drafter
 from .models import ModelPair, context_length
 from .sampling import SamplingParams, make_generator
 from .sched import make_scheduler, plan_prefill
@@ -58,14 +58,15 @@ class SpecEngine:
     def __init__(self, pair: ModelPair, config: EngineConfig | None = None) -> None:
         self.config = cfg = config or EngineConfig()
         self.pair = pair
-        drafter_name, _ = parse_drafter(cfg.drafter)
-        if cfg.speculative and drafter_name == "draft_model" and pair.draft is None:
-            raise ValueError(f"method {cfg.method!r} needs a draft model")
+        if cfg.speculative and drafter_needs_model(cfg.drafter) and pair.draft is None:
+            raise ValueError(f"method {cfg.method!r} with drafter {cfg.drafter!r} needs a draft model; "
+                             "pass one or choose a model-free drafter (ngram, suffix)")
         self.device = pair.target.device
         self.timer = StageTimer(self.device, sync=cfg.profile)
-        self.context = min(c for c in (context_length(pair.target), context_length(pair.draft) if pair.draft else None,
-                                       10**9) if c is not None)
-        draft_model = pair.draft if cfg.speculative else None
+        # a model-free drafter leaves the draft model unused: no runner, no KV, no context limit
+        draft_model = pair.draft if cfg.speculative and drafter_uses_model(cfg.drafter) else None
+        self.context = min(c for c in (context_length(pair.target),
+                                       context_length(draft_model) if draft_model else None, 10**9) if c is not None)
         self.rows = cfg.effective_window
         self.row_capacity = self._row_capacity(pair.target, draft_model)
         self.kv_tokens = self.rows * self.row_capacity
@@ -87,7 +88,7 @@ class SpecEngine:
         if cfg.speculative:
             self.drafter = make_drafter(cfg.drafter, draft_runner=self.draft_runner, device=self.device,
                                         vocab_size=pair.vocab_size, compute_reference=self._oracle_reference)
-        self.policy = self._adaptive_policy() if cfg.adaptive and cfg.speculative else None
+        self.policy = self._policy() if (cfg.adaptive or cfg.budget is not None) and cfg.speculative else None
 
     @classmethod
     def from_pretrained(cls, target: str | None = None, draft: str | None = None,
@@ -96,7 +97,7 @@ class SpecEngine:
         from .models import load_pair
 
         config = config or EngineConfig()
-        needs_draft = config.speculative and parse_drafter(config.drafter)[0] == "draft_model"
+        needs_draft = config.speculative and drafter_needs_model(config.drafter)
         pair = load_pair(target, draft, dtype=dtype, device=device, need_draft=needs_draft)
         return cls(pair, config)
 
@@ -104,16 +105,21 @@ class SpecEngine:
     def gamma(self) -> int:
         return self.config.gamma if self.config.speculative else 0
 
-    def _adaptive_policy(self) -> AdaptivePolicy:
-        """Profile the step costs the policy needs (a few seconds, cached) and build it."""
+    def _policy(self) -> AdaptivePolicy:
+        """Adaptive lengths (profiling the step costs it needs: a few seconds, cached) and/or a
+        fixed TETRIS budget."""
         from .bench.costs import profile_costs
+        from .core.forward import LeanForward
 
-        if self.draft_runner is None:
-            raise ValueError("adaptive speculation needs a draft model to profile; drop --adaptive or pass --draft")
         cfg = self.config
-        rows, cols = (1, max(2, cfg.batch_size)), (1, cfg.gamma + 1)
-        profile = profile_costs(self.pair.target, self.pair.draft, rows, cols, forward=cfg.forward)
-        return AdaptivePolicy(CostModel(rows, cols, profile["verify_s"], profile["draft_s"]), cfg.gamma)
+        packed = isinstance(self.target.forward, LeanForward)  # computes only real tokens
+        cost = None
+        if cfg.adaptive:
+            rows, cols = (1, max(2, cfg.batch_size)), (1, cfg.gamma + 1)
+            draft = self.pair.draft if self.draft_runner is not None else None  # None: a model-free drafter
+            profile = profile_costs(self.pair.target, draft, rows, cols, forward=cfg.forward)
+            cost = CostModel(rows, cols, profile["verify_s"], profile["draft_s"])
+        return AdaptivePolicy(cost, cfg.gamma, budget=cfg.budget, packed=packed)
 
     def _row_capacity(self, target, draft) -> int:
         """Columns per row: `max_kv_tokens` / rows, or the model context (+ one round), capped so
@@ -290,8 +296,9 @@ class SpecEngine:
         with self.timer.stage("prefill"):
             self.target.feed(reqs, content_ids(reqs, ends, counts, self.device), counts, logits="none")
             self.target.commit(reqs, counts)
-            if self.drafter is not None:
-                self.drafter.prefill(reqs, ends)
+            rows = min(len(self.scheduler.resident), self.config.batch_size)
+            if self.drafter is not None and (self.policy is None or self.policy.speculates(rows)):
+                self.drafter.prefill(reqs, ends)  # (else the drafter catches up if and when it drafts)
         stats.prefill_forwards += 1
         stats.prefill_tokens += sum(counts)
 

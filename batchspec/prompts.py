@@ -53,3 +53,24 @@ def chat_token_ids(tokenizer, prompts: list[str]) -> list[list[int]]:
                                             add_generation_prompt=True)
         out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
     return out
+
+
+def repetitive_prompts(prompts: list[str]) -> list[str]:
+    """Each prompt followed by its own text again ("prompts sent twice"): a workload in which the
+    continuation often copies earlier context, as in editing, quoting or looping outputs, so
+    model-free drafters (ngram, suffix) find matches.
+
+    >>> repetitive_prompts(["def f():\\n", "x = 1"])
+    ['def f():\\ndef f():\\n', 'x = 1\\nx = 1']
+    """
+    return [p + p if p.endswith("\n") else f"{p}\n{p}" for p in prompts]
+
+
+# bench --workload: name -> how the prompts read from the file (the bundled ones by default) are sent
+WORKLOADS = {"plain": list, "repetitive": repetitive_prompts}
+
+
+def apply_workload(name: str, prompts: list[str]) -> list[str]:
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    return WORKLOADS[name](prompts)

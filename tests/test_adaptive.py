@@ -17,26 +17,46 @@ def cost(draft=0.002, v1=0.020, v4=0.032) -> CostModel:
 def test_docstring_example():
     policy = AdaptivePolicy(cost(), gamma_max=3, margin=1.0)
     assert expected_tokens(0.6, 3) == pytest.approx(2.176)
-    assert policy.choose([0.6] * 8, [3] * 8) == 1
-    assert AdaptivePolicy(cost(), gamma_max=3, prior=0.95, margin=1.0).choose([0.95] * 8, [3] * 8) == 3
-    assert policy.choose([0.2] * 8, [3] * 8) == 0  # speculation does not pay: a plain decoding round
-    assert policy.choose([0.95] * 8, [0] * 8) == 0  # no row may draft (all about to finish)
+    assert policy.plan([0.6] * 8, [3] * 8) == [1] * 8
+    assert AdaptivePolicy(cost(), gamma_max=3, prior=0.95, margin=1.0).plan([0.95] * 8, [3] * 8) == [3] * 8
+    assert policy.plan([0.2] * 8, [3] * 8) == [0] * 8  # speculation does not pay: a plain decoding round
+    assert policy.plan([0.95] * 8, [0] * 8) == [0] * 8  # no row may draft (all about to finish)
+    mixed = policy.plan([0.95] * 4 + [0.1] * 4, [3] * 8)
+    assert mixed == [2] * 4 + [0] * 4  # only the rows likely to accept draft
 
 
-def test_choice_is_the_best_on_the_grid():
+def test_plan_is_the_best_of_uniform_lengths():
+    """The per-row plan is at least as good (by the model) as every fixed γ."""
     c = cost(draft=0.004, v1=0.020, v4=0.050)
     policy = AdaptivePolicy(c, gamma_max=3, prior=0.8, margin=1.0)
     later = policy.later_rates()
     alphas, caps = [0.9, 0.8, 0.5, 0.2, 0.7, 0.6, 0.9, 0.95], [3, 3, 3, 3, 1, 3, 2, 3]
-    rates = [sum(expected_tokens_runs(a, later, min(g, k)) for a, k in zip(alphas, caps))
-             / (g * c.draft(8) + c.verify(8, g + 1)) for g in range(4)]
-    assert policy.choose(alphas, caps) == max(range(4), key=rates.__getitem__)
+
+    def rate(lengths):
+        tokens = sum(expected_tokens_runs(a, later, n) for a, n in zip(alphas, lengths))
+        depths = [sum(1 for n in lengths if n > j) for j in range(max(lengths))]
+        return tokens / (policy.draft_s(8, depths) + policy.verify_s(8, sum(lengths), max(lengths)))
+
+    plan = policy.plan(alphas, caps)
+    assert all(n <= k for n, k in zip(plan, caps))
+    assert rate(plan) >= max(rate([min(g, k) for k in caps]) for g in range(4)) - 1e-9
+
+
+def test_prune_verifies_what_the_draft_was_sure_of():
+    """After drafting, TETRIS keeps the drafts with the best estimated cumulative acceptance; with
+    a calibration learned from the draft's probabilities, a doubted draft is dropped."""
+    policy = AdaptivePolicy(None, gamma_max=3, budget=4)
+    for _ in range(400):  # the draft's confident tokens are accepted, its unsure ones are not
+        policy.observe([1, 0], [1, 1], [[0.95, 0.0, 0.0], [0.15, 0.0, 0.0]], 0.0, 0.0)
+    confidence = [[0.95, 0.95, 0.95], [0.15, 0.95, 0.95], [0.95, 0.15, 0.95]]
+    assert policy.prune([0.6] * 3, [3, 3, 3], confidence, 0.0) == [3, 0, 1]
+    assert policy.prune([0.6] * 3, [3, 3, 3], None, 0.0) in ([2, 1, 1], [1, 2, 1], [1, 1, 2])  # no confidence
 
 
 def test_runs_of_acceptance_are_learned_per_position():
     policy = AdaptivePolicy(cost(), gamma_max=3, prior=0.5)
     for _ in range(200):  # d_1 accepted half the time; once it is, d_2 and d_3 always are
-        policy.observe([0, 3], [3, 3], 0.0, 0.0)
+        policy.observe([0, 3], [3, 3], None, 0.0, 0.0)
     assert policy.alpha(0, 0) == pytest.approx(0.5, abs=0.02)
     assert all(r > 0.95 for r in policy.later_rates())
     assert expected_tokens_runs(0.5, policy.later_rates(), 3) > expected_tokens(0.5, 3) + 0.4
@@ -44,9 +64,9 @@ def test_runs_of_acceptance_are_learned_per_position():
 
 def test_margin_keeps_plain_decoding_when_the_gain_is_within_it():
     c = cost(draft=0.0, v1=0.020, v4=0.020 * 1.6)
-    # γ = 1 gives 8 x 1.24 / 24 ms = 413 tok/s against 8 / 20 ms = 400: 3 % better, within a 5 % margin
-    assert AdaptivePolicy(c, gamma_max=1, prior=0.24, margin=1.0).choose([0.24] * 8, [3] * 8) == 1
-    assert AdaptivePolicy(c, gamma_max=1, prior=0.24, margin=1.05).choose([0.24] * 8, [3] * 8) == 0
+    # γ = 1 for all 8 rows gives 8 x 1.24 / 24 ms = 413 tok/s against 8 / 20 ms = 400: 3 % better
+    assert AdaptivePolicy(c, gamma_max=1, prior=0.24, margin=1.0, packed=False).plan([0.24] * 8, [3] * 8) == [1] * 8
+    assert AdaptivePolicy(c, gamma_max=1, prior=0.24, margin=1.05, packed=False).plan([0.24] * 8, [3] * 8) == [0] * 8
 
 
 def test_costs_interpolate_and_follow_measurements():
@@ -65,12 +85,15 @@ def test_acceptance_estimate_moves_from_the_prior_to_the_record():
 
 
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])
-def test_adaptive_greedy_is_exact(method):
+@pytest.mark.parametrize("options", [dict(adaptive=True), dict(budget=5), dict(adaptive=True, budget=3)])
+def test_adaptive_and_budgets_keep_greedy_exact(method, options):
     p = pair("llama", "perturbed")
     ids = prompts(16, seed=7)
     refs = references(p, ids, 20)
     for bs in (1, 4, 16):
-        engine = SpecEngine(p, EngineConfig(method=method, batch_size=bs, gamma=4, adaptive=True))
+        engine = SpecEngine(p, EngineConfig(method=method, batch_size=bs, gamma=4, **options))
         assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=20))] == refs
         decided = engine.stats.summary()["adaptive"]
-        assert decided is not None and sum(decided["gamma_hist"].values()) == engine.stats.rounds
+        assert decided is not None and sum(decided["gamma_hist"].values()) == engine.stats.row_rounds
+        if "budget" in options:
+            assert max(int(k) for k in decided["gamma_hist"]) <= options["budget"]

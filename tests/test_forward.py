@@ -107,3 +107,19 @@ def test_fused_weights_are_shared_with_the_modules(tmp_path):
     model.save_pretrained(tmp_path)
     reloaded = type(model).from_pretrained(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_packed_forward_equals_padded(arch, monkeypatch):
+    """Computing only the real tokens of a ragged input (core/rows.py PACK_SHARE) changes nothing."""
+    from batchspec.core import rows
+
+    model = model_for(arch)
+    lengths, extra = [5, 1, 9, 3], 3
+    monkeypatch.setattr(rows, "PACK_SHARE", 0.0)  # never pack
+    padded = run_rows(LeanForward(model), model, lengths, extra)
+    monkeypatch.setattr(rows, "PACK_SHARE", 1.0)  # always pack
+    packed = run_rows(LeanForward(model), model, lengths, extra)
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(packed[0][i, :n], padded[0][i, :n], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed[1], padded[1], rtol=1e-5, atol=1e-5)

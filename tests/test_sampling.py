@@ -47,12 +47,12 @@ def exact_joint(sp: SamplingParams) -> torch.Tensor:
     return p1[:, None] * p2
 
 
-def samples(sp: SamplingParams, method: str, batch_size: int, gamma: int, seed: int = 0) -> torch.Tensor:
+def samples(sp: SamplingParams, method: str, batch_size: int, gamma: int, seed: int = 0, **config) -> torch.Tensor:
     """N seeded samples of (t1, t2) from the engine: [N, 2]. Each request generates 2 + γ tokens
     so that its first round drafts the full γ (a row drafts no more than it can still emit)."""
     target, draft = models()
     engine = SpecEngine(ModelPair(target, draft, None, V, ()),
-                        EngineConfig(method=method, batch_size=batch_size, gamma=gamma))
+                        EngineConfig(method=method, batch_size=batch_size, gamma=gamma, **config))
     params = [SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, max_new_tokens=2 + gamma,
                              seed=request_seed(seed, i)) for i in range(N)]
     outs = engine.generate([PROMPT] * N, params)
@@ -84,6 +84,12 @@ CASES = [
 def test_speculative_sampling_matches_the_target(sp, method, bs, gamma):
     draws = samples(sp, method, bs, gamma)
     assert chi_square(draws, exact_joint(sp)) > ALPHA
+
+
+def test_tetris_budget_sampling_matches_the_target():
+    """A TETRIS budget of 20 verified drafts over 16 rows drafting 3 each: rows verify 0..3."""
+    draws = samples(SamplingParams(temperature=1.0), "eqspec", 16, 3, budget=20)
+    assert chi_square(draws, exact_joint(SamplingParams(temperature=1.0))) > ALPHA
 
 
 def test_acceptance_is_ragged_in_the_sampling_tests():

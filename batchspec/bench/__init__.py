@@ -13,11 +13,11 @@ from .runner import Bench, Cell, measure_costs, plan, summarize
 
 def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, gammas, drafters=("draft_model",),
               peers: bool = False, repeat: int = 1, windows=("4x",), forwards=("auto",), refills=("continuous",),
-              adaptives=(False,), sort_by_length=False, profile=False, progress=None,
+              adaptives=(False,), budgets=("none",), sort_by_length=False, profile=False, progress=None,
               engine_options: dict | None = None) -> dict:
     """Run the grid and return the JSON-ready report: {machine, config, notes, results}."""
     cells, notes = plan(list(methods), list(batch_sizes), list(gammas), list(drafters), peers, list(windows),
-                        list(forwards), list(refills), list(adaptives))
+                        list(forwards), list(refills), list(adaptives), list(budgets))
     new_tokens = sorted({p.max_new_tokens for p in params})
     if peers and len(new_tokens) > 1:
         raise ValueError("the transformers peers take one max_new_tokens for a whole batch; drop --peers with a "
@@ -50,6 +50,7 @@ def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, g
         "methods": list(methods), "batch_sizes": list(batch_sizes), "gammas": list(gammas),
         "drafters": list(drafters), "peers": ["hf_generate", "hf_assisted"] if peers else [], "repeat": repeat,
         "windows": list(windows), "forwards": list(forwards), "refills": list(refills), "adaptives": list(adaptives),
+        "budgets": list(budgets),
         **(engine_options or {}),
         "auto_forward": {name: "lean" if lean_unsupported(m) is None else f"hf ({lean_unsupported(m)})"
                          for name, m in (("target", pair.target), ("draft", pair.draft)) if m is not None},

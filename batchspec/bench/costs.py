@@ -63,18 +63,21 @@ def step_costs(target, draft, batch: int, context: int, gamma: int, forward: str
 
 
 _PROFILES: dict[tuple, dict] = {}
+MODEL_FREE_STEP_S = 30e-6  # a model-free drafter's Python work per row per drafted token (scripts/drafter_cost.py)
 
 
 def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, int], context: int = 128,
                   forward: str = "auto", repeats: int = 3) -> dict:
     """Seconds of a verify pass at rows x cols and of a draft step at each of `rows`, through the
     engine's forward, for the adaptive policy (`sched.adaptive.CostModel`). A few forwards per grid
-    point; cached per model, device, dtype, thread count and grid."""
+    point; cached per model, device, dtype, thread count and grid. Without a draft model (a
+    model-free drafter) a draft step is priced at MODEL_FREE_STEP_S per row, corrected online."""
     key = (id(target), id(draft), str(target.device), str(target.dtype), torch.get_num_threads(), rows, cols,
            context, forward)
     if key not in _PROFILES:
         _PROFILES[key] = {
             "verify_s": {(b, n): step_time(target, b, context, n, repeats, forward) for b in rows for n in cols},
-            "draft_s": {b: step_time(draft, b, context, 1, repeats, forward) for b in rows},
+            "draft_s": {b: step_time(draft, b, context, 1, repeats, forward) if draft is not None
+                        else MODEL_FREE_STEP_S * b for b in rows},
         }
     return _PROFILES[key]

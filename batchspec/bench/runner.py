@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..config import EngineConfig
+from ..drafters import drafter_spec, drafter_uses_model
 from ..engine import SpecEngine
 from ..sampling import SamplingParams
 from .costs import ideal_speedup, step_costs
@@ -33,6 +34,7 @@ class Cell:
     forward: str | None = None  # ours only: EngineConfig.forward
     refill: str | None = None  # ours only: EngineConfig.refill
     adaptive: bool = False  # eqspec / exspec only: EngineConfig.adaptive
+    budget: int | None = None  # eqspec / exspec only: EngineConfig.budget (TETRIS)
 
     @property
     def name(self) -> str:
@@ -40,7 +42,8 @@ class Cell:
         the transformers modules instead of the default forward, "eqspec[fixed]" with the paper's
         fixed batches (refill none)."""
         tags = [t for t in (None if self.forward in (None, "auto") else self.forward,
-                            "fixed" if self.refill == "none" else None, "adaptive" if self.adaptive else None) if t]
+                            "fixed" if self.refill == "none" else None, "adaptive" if self.adaptive else None,
+                            f"budget={self.budget}" if self.budget else None) if t]
         return f"{self.method}[{','.join(tags)}]" if tags else self.method
 
     @property
@@ -66,22 +69,33 @@ def window_sizes(spec: list[str], batch_size: int) -> list[int]:
     return sizes
 
 
+def budget_size(spec: str, batch_size: int) -> int | None:
+    """A TETRIS budget for one batch size: "none" -> None, "24" -> 24, "2x" -> 2 x batch size."""
+    if spec == "none":
+        return None
+    return int(spec[:-1]) * batch_size if spec.endswith("x") else int(spec)
+
+
 def plan(methods: list[str], batch_sizes: list[int], gammas: list[int], drafters: list[str],
          peers: bool, windows: list[str] = ("4x",), forwards: list[str] = ("auto",),
-         refills: list[str] = ("continuous",), adaptives: list[bool] = (False,)) -> tuple[list[Cell], list[str]]:
-    """The grid, ordered so our methods and the peers alternate; plus notes on what was left out."""
+         refills: list[str] = ("continuous",), adaptives: list[bool] = (False,),
+         budgets: list[str] = ("none",)) -> tuple[list[Cell], list[str]]:
+    """The grid, ordered so our methods and the peers alternate; plus notes on what was left out.
+    budgets: "none" (no TETRIS budget), "24" (24 verified drafts per round) or "2x" (2 x batch size)."""
     cells, notes = [], []
     for bs in batch_sizes:
+        policies = [(a, budget_size(b, bs)) for a in adaptives for b in budgets]
         if "autoregressive" in methods:
             cells.extend(Cell("autoregressive", bs, forward=f, refill=r) for f in forwards for r in refills)
         if peers:
             cells.append(Cell("hf_generate", bs))
         if "eqspec" in methods:
-            cells.extend(Cell("eqspec", bs, g, d, forward=f, refill=r, adaptive=a) for g in gammas for d in drafters
-                         for f in forwards for r in refills for a in adaptives)
+            cells.extend(Cell("eqspec", bs, g, d, forward=f, refill=r, adaptive=a, budget=c) for g in gammas
+                         for d in drafters for f in forwards for r in refills for a, c in policies)
         if "exspec" in methods:
-            cells.extend(Cell("exspec", bs, g, d, w, f, r, a) for g in gammas for d in drafters
-                         for w in window_sizes(list(windows), bs) for f in forwards for r in refills for a in adaptives)
+            cells.extend(Cell("exspec", bs, g, d, w, f, r, a, c) for g in gammas for d in drafters
+                         for w in window_sizes(list(windows), bs) for f in forwards for r in refills
+                         for a, c in policies)
         if peers and bs == 1:
             cells.extend(Cell("hf_assisted", 1, g) for g in gammas)
     if peers and 1 not in batch_sizes:
@@ -118,7 +132,8 @@ class Bench:
             config = EngineConfig(method=cell.method, batch_size=cell.batch_size, gamma=cell.gamma or 1,
                                   drafter=cell.drafter or "draft_model", sort_by_length=self.sort_by_length,
                                   window=cell.window, profile=self.profile, forward=cell.forward or "auto",
-                                  refill=cell.refill or "continuous", adaptive=cell.adaptive, **self.engine_options)
+                                  refill=cell.refill or "continuous", adaptive=cell.adaptive, budget=cell.budget,
+                                  **self.engine_options)
             self.engines[cell] = SpecEngine(self.pair, config)
         return self.engines[cell]
 
@@ -185,7 +200,7 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
             "method": cell.name, "batch_size": cell.batch_size, "gamma": cell.gamma, "window": cell.window,
             "forward": cell.forward, "refill": cell.refill,
             "drafter": cell.drafter if cell.method in ("eqspec", "exspec") else None,
-            "synthetic": bool(cell.drafter and cell.drafter.startswith("oracle")),
+            "synthetic": bool(cell.drafter and drafter_spec(cell.drafter).synthetic),
             "tokens": middle.tokens, "seconds": middle.seconds,
             "tokens_per_s": med[cell], "tokens_per_s_min": min(tps[cell]), "tokens_per_s_max": max(tps[cell]),
             "repeats": len(rs),
@@ -209,8 +224,9 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
         if cell.method in ("eqspec", "exspec") and (cell.batch_size, cell.gamma, fwd) in costs:
             cost = costs[(cell.batch_size, cell.gamma, fwd)]
             alpha = stats["acceptance_rate"] or 0.0
-            row["c"], row["v"] = cost["c"], cost["v"]
-            row["ideal_speedup"] = ideal_speedup(alpha, cell.gamma, cost["c"], cost["v"])
+            # a model-free drafter (ngram, suffix) runs no draft step: c = 0
+            row["c"], row["v"] = cost["c"] if drafter_uses_model(cell.drafter or "draft_model") else 0.0, cost["v"]
+            row["ideal_speedup"] = ideal_speedup(alpha, cell.gamma, row["c"], row["v"])
             row["efficiency"] = row["speedup"] / row["ideal_speedup"] if row["speedup"] else None
         elif cell.method == "autoregressive":
             row["ideal_speedup"], row["efficiency"] = 1.0, row["speedup"]

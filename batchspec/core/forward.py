@@ -201,18 +201,14 @@ class LeanForward:
             return self._forward(ids, positions, kv, visible, select)
 
     def _forward(self, ids, positions, kv, visible, select) -> torch.Tensor | None:
+        packed = getattr(kv, "packed", None)
+        if packed is not None:
+            return self._forward_packed(ids, positions, kv, visible, select, packed)
         batch, n = ids.shape
         x = F.embedding(ids, self.embed)  # [B, n, hidden]
         cos, sin = self._rope(positions, kv.width + n, x.dtype)  # positions < T + n (padding columns included)
-        heads = self.heads
         for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):
-            qkv_out = qkv(ln1(x)).view(batch, n, -1, self.head_dim)  # [B, n, q + k + v heads, D]
-            if q_norm is None:  # rotate q and k in one go
-                qk, v = self._rotate(qkv_out[:, :, :-heads[2]], cos, sin), qkv_out[:, :, -heads[2]:]
-                q, k = qk[:, :, :heads[0]], qk[:, :, heads[0]:]
-            else:
-                q, k, v = qkv_out.split(heads, dim=2)
-                q, k = self._rotate(q_norm(q), cos, sin), self._rotate(k_norm(k), cos, sin)
+            q, k, v = self._qkv(qkv(ln1(x)), q_norm, k_norm, cos, sin)  # [B, n, heads, head_dim] each
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, n, head_dim]
             keys, values = kv.write(index, k, v)  # [B, kv_heads, T, head_dim]
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scaling,
@@ -225,6 +221,53 @@ class LeanForward:
         if select is not None:
             x = x[torch.arange(batch, device=x.device), select][:, None]  # [B, 1, hidden]
         return _select(_linear(self.norm(x), self.head), None if select is None else 0)
+
+    def _qkv(self, out: torch.Tensor, q_norm, k_norm, cos, sin):
+        """The fused q/k/v output [..., (q + k + v heads) * D] -> q, k, v [..., heads, D], rotated."""
+        heads = self.heads
+        out = out.view(*out.shape[:-1], -1, self.head_dim)
+        if q_norm is None:  # rotate q and k in one go
+            qk, v = self._rotate(out[..., :-heads[2], :], cos, sin), out[..., -heads[2]:, :]
+            return qk[..., :heads[0], :], qk[..., heads[0]:, :], v
+        q, k, v = out.split(heads, dim=-2)
+        return self._rotate(q_norm(q), cos, sin), self._rotate(k_norm(k), cos, sin), v
+
+    def _forward_packed(self, ids, positions, kv, visible, select, packed) -> torch.Tensor | None:
+        """The same arithmetic on the real tokens only: every projection, norm and the head run on
+        [C, hidden] (C = real tokens, `packed` their flat indices into [B, n]); attention alone
+        works on the padded [B, heads, n, D] layout, the queries scattered into it and the outputs
+        gathered back. Padding columns cost nothing but their (masked) attention.
+
+        Example, counts [3, 1] (n = 3): packed = [0, 1, 2, 3], the linears see 4 tokens, not 6."""
+        batch, n = ids.shape
+        x = F.embedding(ids.reshape(-1)[packed], self.embed)  # [C, hidden]
+        flat_positions = positions.reshape(-1)[packed]
+        cos, sin = self._rope(flat_positions[None], kv.width + n, x.dtype)
+        cos, sin = cos[0], sin[0]  # [C, 1, head_dim]
+        q_heads = self.heads[0]
+        for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):
+            q, k, v = self._qkv(qkv(ln1(x)), q_norm, k_norm, cos, sin)  # [C, heads, head_dim]
+            kv.write_packed(index, k, v)
+            keys, values = kv.read(index)  # [B, kv_heads, T, head_dim]
+            q_pad = x.new_zeros(batch * n, q_heads, self.head_dim)
+            q_pad[packed] = q
+            a = F.scaled_dot_product_attention(q_pad.view(batch, n, q_heads, -1).transpose(1, 2), keys, values,
+                                               attn_mask=visible, scale=self.scaling,
+                                               enable_gqa=keys.shape[1] != q_heads)  # [B, heads, n, D]
+            x = x + _linear(a.transpose(1, 2).reshape(batch * n, -1)[packed], o_proj)
+            gate, up = gate_up(ln2(x)).chunk(2, dim=-1)
+            x = x + _linear(F.silu(gate) * up, down)
+        if select is False:
+            return None
+        if select is not None:  # row i's column select[i] -> its place among the real tokens
+            where = torch.full((batch * n,), -1, dtype=torch.long, device=x.device)
+            where[packed] = torch.arange(packed.numel(), device=x.device)
+            pick = where.view(batch, n)[torch.arange(batch, device=x.device), select].clamp(min=0)
+            return _linear(self.norm(x[pick]), self.head)  # [B, V] (rows fed nothing: any row's logits)
+        logits = _linear(self.norm(x), self.head)  # [C, V]
+        out = logits.new_zeros(batch * n, logits.shape[-1])
+        out[packed] = logits
+        return out.view(batch, n, -1)  # padding columns: zero logits
 
 
 def _select(logits: torch.Tensor, select) -> torch.Tensor | None:

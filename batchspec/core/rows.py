@@ -36,6 +36,12 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+# A forward computes only the real tokens (packed, see core/forward.py) when they are at most this
+# share of the [b, n] input: rows fed different numbers of tokens (per-row draft lengths, prefill
+# chunks of unequal prompts) or idle rows in the slot range. Packing costs a gather and a scatter
+# per layer, so a nearly full input is run as it is.
+PACK_SHARE = 0.85
+
 
 class RowKV:
     """The buffer of one model and which columns of each row hold finite values."""
@@ -128,8 +134,24 @@ class RowBatch(Cache):
                                  device=device)
         self.feed_cols = torch.tensor([j for c in counts for j in range(c)], dtype=torch.long, device=device)
         self.uniform = self.contiguous and len(set(starts)) == 1 and len(set(counts)) == 1
+        # [real tokens] flat index (row * n + column) of each real token in the [b, n] input, when
+        # padding is a large enough share that computing only real tokens pays (see `packed`)
+        real = sum(counts)
+        self.packed = self.rows * self.n + self.feed_cols if real <= PACK_SHARE * len(counts) * self.n else None
         self.start0, self.hi = starts[0], slots[0] + len(slots)
         super().__init__(layers=[_Layer(self, i) for i in range(kv.data.shape[0])])
+
+    def write_packed(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys, values [real tokens, H, D] in `packed` order -> written at their rows' columns."""
+        self.kv.data[layer, 0][self.write_slots, :, self.cols] = keys
+        self.kv.data[layer, 1][self.write_slots, :, self.cols] = values
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys, values [b, H, T, D] (after `write_packed`)."""
+        k_all, v_all = self.kv.data[layer, 0], self.kv.data[layer, 1]
+        if self.contiguous:
+            return k_all[self.lo:self.hi, :, : self.width], v_all[self.lo:self.hi, :, : self.width]
+        return k_all[self.slots, :, : self.width], v_all[self.slots, :, : self.width]
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """keys, values [b, H, n, D] -> the layer's keys, values [b, H, T, D] after writing."""
@@ -140,6 +162,4 @@ class RowBatch(Cache):
         elif self.rows.numel():
             k_all[self.write_slots, :, self.cols] = keys[self.rows, :, self.feed_cols]
             v_all[self.write_slots, :, self.cols] = values[self.rows, :, self.feed_cols]
-        if self.contiguous:
-            return k_all[self.lo:self.hi, :, : self.width], v_all[self.lo:self.hi, :, : self.width]
-        return k_all[self.slots, :, : self.width], v_all[self.slots, :, : self.width]  # gathered copies
+        return self.read(layer)  # (gathered copies when the slots are not contiguous)

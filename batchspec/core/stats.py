@@ -94,7 +94,7 @@ class RunStats:
     aborted: int = 0
     finished: int = 0  # requests that ended (aborted ones included)
     peak_kv_tokens: int = 0  # most target KV tokens committed at once
-    gamma_hist: Counter = field(default_factory=Counter)  # adaptive: rounds per chosen draft length
+    gamma_hist: Counter = field(default_factory=Counter)  # drafts verified per row-round (γ_i) -> count
     predicted_s: float = 0.0  # adaptive: the policy's predicted draft + verify seconds, summed
     measured_s: float = 0.0  # ... and what those stages took
     wall: float = 0.0
@@ -130,7 +130,11 @@ class RunStats:
             "prefill_tokens": self.prefill_tokens,
             "moved_rows_per_round": self.moved_rows / rounds,
             "peak_kv_tokens": self.peak_kv_tokens,
+            # per-row draft lengths verified (γ_i per row-round), the drafts verified per round (the
+            # budget) and, with an adaptive policy, its predicted over measured draft + verify time
             "adaptive": {"gamma_hist": {str(k): v for k, v in sorted(self.gamma_hist.items())},
+                         "verified_per_round": self.drafted / rounds,
+                         "accepted_per_verified": self.accepted / self.drafted if self.drafted else None,
                          "predicted_over_measured": self.predicted_s / self.measured_s if self.measured_s else None}
             if self.gamma_hist else None,
             "time_share": share,

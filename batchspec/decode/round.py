@@ -1,9 +1,11 @@
 """One decoding round for a batch: draft, verify in one target pass, commit.
 
-Each row has its own draft length γ_i ≤ γ: here min(γ, tokens it may still emit - 1), so a row
-about to finish drafts nothing it could not use. The draft proposes max γ_i tokens for every
-row; row i verifies its newest token plus its first γ_i drafts, so the target pass feeds rows
-different numbers of tokens. With every γ_i = 0 the round is a plain autoregressive step: the
+Each row has its own draft length γ_i ≤ γ: at most min(γ, tokens it may still emit - 1), so a
+row about to finish drafts nothing it could not use; with a policy (adaptive and/or a TETRIS
+budget, `sched/adaptive.py`) the policy plans how deep each row drafts and then prunes which
+drafted tokens are verified. Row i verifies its newest token plus its first γ_i drafts, so the
+target pass feeds rows different numbers of tokens (the lean forward computes only real tokens,
+so a shorter row is cheaper). With every γ_i = 0 the round is a plain autoregressive step: the
 target reads the newest token and its own token ("bonus") is the output. Methods differ only in
 how batches are formed (see `batchspec.sched`), never in this loop.
 
@@ -42,18 +44,26 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     sampling = BatchSampling.of([r.params for r in batch], device)
     u = None if sampling.all_greedy else draw_uniforms([r.generator for r in batch], 2 * gamma + 1, device)
     lengths = draft_lengths(batch, gamma, target.rope_limit)
-    policy = engine.policy
-    if policy is not None:  # adaptive: this round's g from costs and acceptance (sched/adaptive.py)
+    policy = engine.policy  # adaptive lengths and TETRIS budgets (sched/adaptive.py), or None: fixed γ
+    if policy is not None:
         alphas = [policy.alpha(r.stats.first_accepted, r.stats.first_drafted) for r in batch]
-        g = policy.choose(alphas, lengths)
-        lengths = [min(n, g) for n in lengths]
+        lengths = policy.plan(alphas, lengths)
         before = dict(timer.totals)
     g = max(lengths)
 
+    confidence = None
     if g > 0:
         with timer.stage("draft"):
-            proposal = engine.drafter.propose(batch, g, None if u is None else u[:, :g], sampling)
+            proposal = engine.drafter.propose(batch, g, None if u is None else u[:, :g], sampling, lengths=lengths)
         drafts, q = proposal.tokens, proposal.probs
+        if proposal.lengths is not None:  # a model-free drafter found fewer tokens for some rows
+            lengths = [min(n, m) for n, m in zip(lengths, proposal.lengths)]
+        if policy is not None:  # TETRIS: which drafted tokens to verify
+            if proposal.confidence is not None:  # greedy rows only (see sched/adaptive.py)
+                confidence = [c if r.params.greedy else None for r, c in zip(batch, proposal.confidence.tolist())]
+            lengths = policy.prune(alphas, lengths, confidence, timer.since(before)["draft"])
+        drafts = drafts[:, :max(lengths)]
+        q = q[:, :drafts.shape[1]] if q is not None else None
     else:
         drafts, q = torch.zeros(len(batch), 0, dtype=torch.long, device=device), None
 
@@ -67,24 +77,25 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             result = greedy_verify(logits, drafts, lens)
         else:
             p = probabilities(logits, sampling)
-            result = rejection_verify(p, q, drafts, u[:, gamma:gamma + g], u[:, 2 * gamma], lens)
+            result = rejection_verify(p, q, drafts, u[:, gamma:gamma + drafts.shape[1]], u[:, 2 * gamma], lens)
         accepted = result.accepted.tolist()
         tokens = result.tokens.tolist()
 
     target.commit(batch, [1 + a for a in accepted])  # the newest token and the accepted drafts
-    if g > 0:
+    if g > 0:  # (the drafter ran, even if it found nothing to propose or nothing was verified)
         engine.drafter.observe(batch, accepted)
     if policy is not None:
         spent = timer.since(before)
-        policy.observe(accepted, lengths, spent["verify"], spent["draft"])
-        stats.gamma_hist[g] += 1
-        stats.predicted_s += policy.last["predicted_s"]
-        stats.measured_s += spent["verify"] + spent["draft"]
+        policy.observe(accepted, lengths, confidence, spent["verify"], spent["draft"])
+        predicted = policy.predicted_s()
+        if predicted is not None:
+            stats.predicted_s += predicted
+            stats.measured_s += spent["verify"] + spent["draft"]
 
     stats.rounds += 1
     stats.row_rounds += len(batch)
     stats.idle_rows += target.stats.idle_rows - idle_before
-    stats.padding_tokens += sum(g - n for n in lengths)
+    stats.padding_tokens += sum(drafts.shape[1] - n for n in lengths)
     for req, a, row, n in zip(batch, accepted, tokens, lengths):
         emitted = req.append(row[: a + 1])
         stats.emitted += emitted
@@ -97,3 +108,4 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             stats.drafted += n
             stats.accepted += a
             stats.accept_hist[a] += 1
+            stats.gamma_hist[n] += 1

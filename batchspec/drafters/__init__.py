@@ -1,47 +1,182 @@
-"""Drafters behind one protocol, built from a spec string by a registry."""
+"""Drafters behind one protocol (base.py), built from a spec string "name[:args]" by a registry.
+
+The registry is data: one `DrafterSpec` per name says how to read its arguments, how to build
+it, whether it needs the draft model, and whether it is synthetic. The CLI help, the errors and
+the engine's "load a draft model?" question all read it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
 
+from . import hybrid, ngram, suffix
 from .base import Drafter, DraftProposal
+from .hybrid import HybridDrafter
 from .model import DraftModelDrafter
+from .ngram import NgramDrafter
 from .oracle import OracleDrafter, bernoulli_mismatch
+from .suffix import SuffixDrafter
 
-DRAFTERS = ("draft_model", "oracle:<p>")
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What the engine hands a drafter's builder."""
+
+    draft_runner: Any  # ModelRunner of the draft model, or None
+    device: Any
+    vocab_size: int
+    references: MutableMapping[tuple[int, ...], list[int]] | None = None
+    seed: int = 0
+    compute_reference: Callable | None = None
 
 
-def parse_drafter(spec: str) -> tuple[str, float | None]:
-    """'draft_model' -> ('draft_model', None); 'oracle:0.7' -> ('oracle', 0.7). Raises ValueError."""
+@dataclass(frozen=True)
+class DrafterSpec:
+    usage: str  # how the CLI writes it
+    help: str
+    parse: Callable[[str, str], Any]  # (argument text after ':', whole spec) -> options; raises ValueError
+    build: Callable[[Any, BuildContext], Drafter]
+    draft_model: str  # "required", "optional" (used for its cost when present) or "unused"
+    synthetic: bool = False  # knows the answer: reports must say so
+
+
+def _numbers(arg: str, spec: str, usage: str, defaults: tuple, check: Callable[[tuple], bool], rule: str) -> tuple:
+    """'2,4' with defaults (1, 3, 10) -> (2, 4, 10): a prefix of comma-separated numbers, each of
+    its default's type."""
+    parts = arg.split(",") if arg else []
+    try:
+        if len(parts) > len(defaults):
+            raise ValueError
+        values = tuple(type(d)(p) for d, p in zip(defaults, parts)) + defaults[len(parts):]
+    except ValueError:
+        values = None
+    if values is None or not check(values):
+        raise ValueError(f"drafter {spec!r}: expected {usage} with {rule}; e.g. {usage.split('[')[0]}:"
+                         f"{','.join(f'{d:g}' if isinstance(d, float) else str(d) for d in defaults)}")
+    return values
+
+
+def _no_args(name: str) -> Callable[[str, str], None]:
+    def parse(arg: str, spec: str) -> None:
+        if arg:
+            raise ValueError(f"drafter {name!r} takes no arguments; got {spec!r}")
+    return parse
+
+
+def _oracle_prob(arg: str, spec: str) -> float:
+    try:
+        prob = float(arg)
+    except ValueError:
+        prob = -1.0
+    if not 0.0 <= prob <= 1.0:
+        raise ValueError(f"oracle drafter needs an acceptance probability in [0, 1], e.g. oracle:0.7; got {spec!r}")
+    return prob
+
+
+def _ngram_args(defaults: tuple[int, int, int], usage: str) -> Callable[[str, str], tuple]:
+    return lambda arg, spec: _numbers(arg, spec, usage, defaults, lambda v: 1 <= v[0] <= v[1] and v[2] >= 1,
+                                      "1 <= min_n <= max_n and k >= 1")
+
+
+def _suffix_args(arg: str, spec: str) -> tuple:
+    usage = "suffix[:depth,k,min_prob,max_tokens]"
+    return _numbers(arg, spec, usage, (suffix.DEPTH, suffix.K, suffix.MIN_PROB, suffix.MAX_TOKENS),
+                    lambda v: v[1] >= 1 and v[0] > v[1] and 0.0 <= v[2] <= 1.0 and v[3] >= 0,
+                    "depth > k >= 1, min_prob in [0, 1] and max_tokens >= 0")
+
+
+def _build_draft_model(_, ctx: BuildContext) -> Drafter:
+    if ctx.draft_runner is None:
+        raise ValueError("drafter 'draft_model' needs a draft model; pass --draft or choose another drafter")
+    return DraftModelDrafter(ctx.draft_runner)
+
+
+def _build_oracle(prob: float, ctx: BuildContext) -> Drafter:
+    if ctx.references is None and ctx.compute_reference is None:
+        raise ValueError("the oracle drafter needs the target's reference outputs or a way to compute them")
+    cost = DraftModelDrafter(ctx.draft_runner) if ctx.draft_runner is not None else None
+    label = f"oracle:{prob:g} (synthetic{', draft-model cost' if cost else ', zero draft cost'})"
+    return OracleDrafter(ctx.references if ctx.references is not None else {}, bernoulli_mismatch(prob, ctx.seed),
+                         ctx.vocab_size, ctx.device, cost, label, ctx.compute_reference)
+
+
+def _build_hybrid(args: tuple, ctx: BuildContext) -> Drafter:
+    if ctx.draft_runner is None:
+        raise ValueError("drafter 'hybrid' needs a draft model; pass --draft or choose ngram or suffix")
+    return HybridDrafter(DraftModelDrafter(ctx.draft_runner), NgramDrafter(ctx.device, *args))
+
+
+REGISTRY: dict[str, DrafterSpec] = {
+    "draft_model": DrafterSpec("draft_model", "the draft model (default)", _no_args("draft_model"),
+                               _build_draft_model, "required"),
+    "ngram": DrafterSpec("ngram[:min_n,max_n,k]",
+                         f"prompt lookup, no model: copy what followed the newest n-gram's last occurrence "
+                         f"(default {ngram.MIN_N},{ngram.MAX_N},{ngram.K})",
+                         _ngram_args((ngram.MIN_N, ngram.MAX_N, ngram.K), "ngram[:min_n,max_n,k]"),
+                         lambda args, ctx: NgramDrafter(ctx.device, *args), "unused"),
+    "suffix": DrafterSpec("suffix[:depth,k,min_prob,max_tokens]",
+                          "suffix decoding, no model: most frequent continuation over this and earlier requests",
+                          _suffix_args, lambda args, ctx: SuffixDrafter(ctx.device, *args), "unused"),
+    "hybrid": DrafterSpec("hybrid[:min_n,max_n,k]",
+                          f"ngram for rows whose newest min_n tokens occurred before, the draft model for the "
+                          f"others (default {hybrid.MIN_N},{ngram.MAX_N},{ngram.K})",
+                          _ngram_args((hybrid.MIN_N, ngram.MAX_N, ngram.K), "hybrid[:min_n,max_n,k]"), _build_hybrid,
+                          "required"),
+    "oracle": DrafterSpec("oracle:<p>", "synthetic, knows the target's output: for overhead studies",
+                          _oracle_prob, _build_oracle, "optional", synthetic=True),
+}
+DRAFTERS = tuple(s.usage for s in REGISTRY.values())
+
+
+def drafter_spec(spec: str) -> DrafterSpec:
+    name = spec.partition(":")[0]
+    if name not in REGISTRY:
+        raise ValueError(f"unknown drafter {spec!r}; choose one of {', '.join(DRAFTERS)}")
+    return REGISTRY[name]
+
+
+def parse_drafter(spec: str) -> tuple[str, Any]:
+    """'draft_model' -> ('draft_model', None); 'oracle:0.7' -> ('oracle', 0.7);
+    'ngram:2,4' -> ('ngram', (2, 4, 10)). Raises ValueError saying what is accepted."""
     name, _, arg = spec.partition(":")
-    if name == "draft_model" and not arg:
-        return name, None
-    if name == "oracle":
-        try:
-            prob = float(arg)
-        except ValueError:
-            prob = -1.0
-        if not 0.0 <= prob <= 1.0:
-            raise ValueError(f"oracle drafter needs an acceptance probability in [0, 1], e.g. oracle:0.7; got {spec!r}")
-        return name, prob
-    raise ValueError(f"unknown drafter {spec!r}; choose one of {', '.join(DRAFTERS)}")
+    return name, drafter_spec(spec).parse(arg, spec)
+
+
+def drafter_needs_model(spec: str) -> bool:
+    """Does this drafter need the draft model loaded (raises ValueError for a bad spec)?"""
+    parse_drafter(spec)
+    return drafter_spec(spec).draft_model == "required"
+
+
+def drafter_uses_model(spec: str) -> bool:
+    """Does this drafter use the draft model when one is loaded?"""
+    parse_drafter(spec)
+    return drafter_spec(spec).draft_model != "unused"
+
+
+def split_drafters(text: str) -> list[str]:
+    """A comma-separated list of specs whose arguments may hold commas too: a piece that names no
+    drafter continues the previous spec. 'draft_model,ngram:2,4,10,suffix' ->
+    ['draft_model', 'ngram:2,4,10', 'suffix']."""
+    specs: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        if specs and ":" in specs[-1] and piece.partition(":")[0] not in REGISTRY:
+            specs[-1] += "," + piece
+        elif piece:
+            specs.append(piece)
+    return specs
 
 
 def make_drafter(spec: str, *, draft_runner, device, vocab_size: int,
                  references: MutableMapping[tuple[int, ...], list[int]] | None = None, seed: int = 0,
                  compute_reference: Callable | None = None) -> Drafter:
-    name, prob = parse_drafter(spec)
-    if name == "draft_model":
-        if draft_runner is None:
-            raise ValueError("drafter 'draft_model' needs a draft model; pass --draft or choose another drafter")
-        return DraftModelDrafter(draft_runner)
-    if references is None and compute_reference is None:
-        raise ValueError("the oracle drafter needs the target's reference outputs or a way to compute them")
-    cost = DraftModelDrafter(draft_runner) if draft_runner is not None else None
-    label = f"oracle:{prob:g} (synthetic{', draft-model cost' if cost else ', zero draft cost'})"
-    return OracleDrafter(references if references is not None else {}, bernoulli_mismatch(prob, seed), vocab_size,
-                         device, cost, label, compute_reference)
+    _, args = parse_drafter(spec)
+    ctx = BuildContext(draft_runner, device, vocab_size, references, seed, compute_reference)
+    return drafter_spec(spec).build(args, ctx)
 
 
-__all__ = ["DRAFTERS", "DraftModelDrafter", "DraftProposal", "Drafter", "OracleDrafter", "make_drafter",
-           "parse_drafter"]
+__all__ = ["DRAFTERS", "REGISTRY", "DraftModelDrafter", "DraftProposal", "Drafter", "DrafterSpec", "HybridDrafter",
+           "NgramDrafter", "OracleDrafter", "SuffixDrafter", "drafter_needs_model", "drafter_spec",
+           "drafter_uses_model", "make_drafter", "parse_drafter", "split_drafters"]

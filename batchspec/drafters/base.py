@@ -15,6 +15,10 @@ from ..sampling import BatchSampling
 class DraftProposal:
     tokens: torch.Tensor  # [B, γ] long: drafted tokens d_1..d_γ per row
     probs: torch.Tensor | None  # [B, γ, V] the q each d_j was drawn from; None: deterministic (q one-hot)
+    # row i proposes only its first lengths[i] tokens (a model-free drafter with a short or no
+    # match); the rest of its row is padding and is never verified. None: every row all γ.
+    lengths: list[int] | None = None
+    confidence: torch.Tensor | None = None  # [B, γ] q(d_j) where the drafter knows it (TETRIS uses it)
 
 
 class Drafter(Protocol):
@@ -23,11 +27,14 @@ class Drafter(Protocol):
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         """Cover tokens [0, ends[i]) of each request's content (a prefill chunk; the last chunk
-        ends at len - 1; a one-token prompt has nothing to prefill and is never passed)."""
+        ends at len - 1; a one-token prompt has nothing to prefill and is never passed). The
+        engine may skip this (an adaptive policy that is not drafting at this batch size):
+        `propose` must then catch up on whatever it has not seen."""
 
     def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
-                sampling: BatchSampling) -> DraftProposal:
-        """Draft `gamma` tokens per row; uniforms [B, γ] drive sampling (None when all greedy)."""
+                sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
+        """Draft up to `gamma` tokens per row, row i at most lengths[i] (None: gamma); uniforms
+        [B, γ] drive sampling (None when all greedy)."""
 
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:
         """The target accepted accepted[i] of row i's drafts (its bonus/recovered token follows)."""

@@ -22,7 +22,7 @@ class DraftModelDrafter:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self._unseen: list[int] = []
-        self._gamma = 0
+        self._lengths: list[int] = []
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         runner = self.runner
@@ -35,33 +35,43 @@ class DraftModelDrafter:
         runner.commit(reqs, counts)
 
     def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
-                sampling: BatchSampling, forced: torch.Tensor | None = None) -> DraftProposal:
-        """`reqs` in slot order. With `forced` [B, γ] the model is run on those tokens instead of
-        its own (for a synthetic drafter that wants a real draft model's cost and KV)."""
+                sampling: BatchSampling, lengths: list[int] | None = None,
+                forced: torch.Tensor | None = None) -> DraftProposal:
+        """`reqs` in slot order; row i drafts lengths[i] <= gamma tokens (default all gamma): a row
+        is fed only while it drafts, so a row drafting 0 is not fed at all and catches up on what
+        it has not seen the next time it drafts. With `forced` [B, γ] the model is run on those
+        tokens instead of its own (for a synthetic drafter that wants a real draft model's cost
+        and KV). The proposal's confidence is q(d_j), the draft's probability of its own token."""
         runner = self.runner
-        self._unseen = [r.num_tokens - r.kv_len.get(runner.name, 0) for r in reqs]
-        self._gamma = gamma
+        self._lengths = lengths = list(lengths) if lengths is not None else [gamma] * len(reqs)
+        self._unseen = [r.num_tokens - r.kv_len.get(runner.name, 0) if n > 0 else 0 for r, n in zip(reqs, lengths)]
         ends = [r.num_tokens for r in reqs]
         logits = runner.feed(reqs, content_ids(reqs, ends, self._unseen, runner.device), self._unseen, logits="last")
-        ones = [1] * len(reqs)
-        tokens, probs = [], []
+        tokens, probs, confidence = [], [], []
         for j in range(gamma):
             if j > 0:
-                logits = runner.feed(reqs, tokens[-1][:, None], ones, logits="last")  # [B, V]
+                counts = [1 if n > j else 0 for n in lengths]
+                logits = runner.feed(reqs, tokens[-1][:, None], counts, logits="last")  # [B, V]
             if forced is not None:
                 token = forced[:, j]
+                q = None
             elif sampling.all_greedy:
                 token = logits.argmax(-1)
+                q = torch.softmax(logits.float(), dim=-1)
             else:
                 q = probabilities(logits[:, None], sampling)[:, 0]
                 token = sample(q, uniforms[:, j])
                 probs.append(q)
+            if q is not None:
+                confidence.append(q.gather(-1, token[:, None])[:, 0])
             tokens.append(token)
-        return DraftProposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None)
+        return DraftProposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
+                             confidence=torch.stack(confidence, dim=1) if confidence else None)
 
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:
-        last_fed = self._gamma - 1  # d_1..d_{γ-1} were fed
-        self.runner.commit(reqs, [u + min(a, last_fed) for u, a in zip(self._unseen, accepted)])
+        # row i was fed its unseen tokens and d_1..d_{n_i - 1}; keep those the target accepted
+        self.runner.commit(reqs, [u + min(a, n - 1) if n > 0 else 0
+                                  for u, a, n in zip(self._unseen, accepted, self._lengths)])
 
     def release(self, req: Request) -> None:
         self.runner.release(req)

@@ -69,7 +69,7 @@ class OracleDrafter:
             self.cost_model.prefill(reqs, ends)
 
     def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
-                sampling: BatchSampling) -> DraftProposal:
+                sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
         rows = []
         for r in reqs:
             ref = self.reference(r)
@@ -85,7 +85,7 @@ class OracleDrafter:
             self._rounds[r.index] = round_ + 1
         tokens = torch.tensor(rows, dtype=torch.long, device=self.device)
         if self.cost_model is not None:
-            self.cost_model.propose(reqs, gamma, uniforms, sampling, forced=tokens)
+            self.cost_model.propose(reqs, gamma, uniforms, sampling, lengths, forced=tokens)
         return DraftProposal(tokens, None)
 
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:

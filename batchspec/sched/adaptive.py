@@ -1,32 +1,39 @@
-"""Adaptive speculation: each round, the draft length that maximises expected tokens per second.
+"""Adaptive speculation: per round, per row, the draft lengths that maximise expected tokens per second.
 
-Pure Python over numbers the engine measures. With per-request acceptance estimates α_i, a round
-in which row i verifies γ_i drafts commits on average
+Pure Python over numbers the engine measures. Row i's drafts are accepted with per-position rates
+(its own first-draft rate α_i, then pair-wide rates for d_2, d_3, ... given the earlier ones were
+accepted: acceptance comes in runs), so verifying d_i1..d_ij adds G_ij = rate_1 ... rate_j expected
+tokens to the one token every row commits anyway. A round in which row i drafts γ_i tokens costs
 
-    E_i(γ_i) = (1 - α_i^(γ_i + 1)) / (1 - α_i)          (1 when γ_i = 0: the bonus token alone)
+    draft   Σ_j D(b_j)         one draft step per depth j, feeding the b_j rows drafting >= j tokens
+    verify  V(b, 1 + Σγ_i / b) one target pass over b rows; the lean forward computes only real
+                               tokens, so it costs by the tokens verified (without it, by the longest
+                               row: V(b, 1 + max γ_i), and the policy is told `packed=False`)
 
-tokens, and costs g·D(b) + V(b, 1 + g) seconds for b rows and g = max γ_i: g draft steps and one
-verify pass that feeds every row g + 1 columns (rows are padded to the longest, so a shorter
-γ_i saves nothing in the pass). The policy tries every g in 0..γ and keeps the one with the most
-Σ_i E_i(min(g, cap_i)) per second (E_i from per-position rates, see `expected_tokens_runs`,
-with row i's own first-draft rate); g = 0 is a plain decoding round (no draft step at all), which
-is what it picks when speculation does not pay, e.g. at large batch sizes on a CPU where the
-verify pass is compute-bound.
+`plan` ranks every (row, position) by G_ij (TETRIS, `sched/tetris.py`) and keeps the prefix of that
+ranking with the most tokens per second; all γ_i = 0 is a plain decoding round (no draft step at
+all), which it keeps unless speculating is predicted `margin` (5 %) faster, e.g. at large batch
+sizes on a CPU, where a verify pass is compute-bound and a verified token costs about what a
+plain step's token does. `prune` then reranks what was drafted with the draft's own probability
+of each token (greedy rows) and keeps the best budget of verified tokens, the draft time now spent.
 
-D and V come from a short profile at start-up (`profile_costs`, one forward per grid point, cached
-per model, device, dtype and thread count) interpolated linearly in rows and columns, and are
-corrected online by the ratio of measured to predicted stage times (an exponential average).
+D and V come from a short profile at start-up (`profile_costs`, a few forwards per grid point,
+cached per model, device, dtype and thread count) interpolated linearly in rows and columns, and
+are corrected online by the ratio of measured to predicted stage times (an exponential average).
 α_i starts from the pair's running acceptance and follows the request's own record.
 
-Example, b = 8, D = 2 ms, V(8, n) = 20, 24, 28, 32 ms for n = 1..4, every α = 0.6:
-    g = 0: 8 tokens / 20 ms = 400 tok/s      g = 1: 8 x 1.6 / (2 + 24) ms = 492 tok/s
-    g = 2: 8 x 1.96 / 32 ms = 490 tok/s      g = 3: 8 x 2.18 / 38 ms = 458 tok/s     -> g = 1
-    with every α = 0.2 instead: g = 1 gives 8 x 1.2 / 26 ms = 369 tok/s, the best draft -> g = 0
+Example, b = 8, D = 2 ms, V(8, n) = 20 + 4 (n - 1) ms (0.5 ms per verified draft), every α = 0.6
+(later rates 0.6 too): plain decoding 8 tokens / 20 ms = 400 tok/s; every row drafting 1 token
+8 x 1.6 / (2 + 24) ms = 492 tok/s; 2 tokens 8 x 1.96 / 32 ms = 490; 3 tokens 458 -> γ_i = 1.
+Rows at α = 0.95 next to rows at α = 0.1: the first four draft 2 tokens, the others none. Every
+α = 0.2: 8 x 1.2 / 26 ms = 369 tok/s at best -> plain decoding.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .tetris import best_budget, cumulative, select
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -84,16 +91,55 @@ class CostModel:
             self.draft_scale *= (measured_draft / predicted_draft) ** weight
 
 
+class Calibration:
+    """P(draft token accepted | its draft probability q, the earlier drafts accepted), online: counts
+    per bin of q, each bin shrunk toward a prior rate (the position's rate) until it has data. A
+    draft token the draft model itself doubted is less likely to be accepted."""
+
+    def __init__(self, bins: int = 10, strength: float = 8.0) -> None:
+        self.bins, self.strength = bins, strength
+        self.counts = [[0.0, 0.0] for _ in range(bins)]  # [accepted, reached] per bin
+
+    def _bin(self, q: float) -> int:
+        return min(self.bins - 1, max(0, int(q * self.bins)))
+
+    def rate(self, q: float, prior: float) -> float:
+        acc, reached = self.counts[self._bin(q)]
+        return min(0.99, (acc + self.strength * prior) / (reached + self.strength))
+
+    def add(self, q: float, accepted: bool) -> None:
+        counts = self.counts[self._bin(q)]
+        counts[0] += accepted
+        counts[1] += 1
+
+
 @dataclass
 class AdaptivePolicy:
-    cost: CostModel
+    """Per-row draft lengths for each round, in two steps (`decode/round.py` calls both):
+
+    plan   before drafting: from each row's acceptance estimate and the cost model, how deep each
+           row drafts (0 for every row is a plain decoding round: no draft step at all);
+    prune  after drafting (TETRIS, `sched/tetris.py`): which of the drafted tokens to verify, by
+           cumulative acceptance estimated from the draft's own probabilities where it gave them,
+           under the budget that maximises expected tokens per second (the draft time is spent
+           by then), or under a fixed `budget` of verified drafts per round.
+
+    `packed`: the target's forward computes only real tokens (core/forward.py), so a verify pass
+    costs by the tokens it verifies, not by rows x the longest; without it a row's shorter draft
+    saves nothing in the pass and the cost counts the longest row. With `cost` None (a fixed
+    budget without --adaptive) every row drafts its cap and prune takes the top `budget`.
+    """
+
+    cost: CostModel | None
     gamma_max: int
+    budget: int | None = None  # fixed verified drafts per round (TETRIS); None: chosen by the cost model
+    packed: bool = True
     prior: float = 0.6  # acceptance of the pair before anything is measured
     strength: float = 4.0  # how many drafted tokens the prior weighs
     margin: float = 1.05  # speculate only when it is predicted this much faster than plain decoding
-    _pair: list[float] = field(default_factory=lambda: [0.0, 0.0])  # accepted, drafted over all requests
     # per draft position j: [accepted, reached] over all rows (reached: d_j drafted, d_1..d_{j-1} accepted)
     _positions: list[list[float]] = field(default_factory=list)
+    calibration: Calibration = field(default_factory=Calibration)
     last: dict = field(default_factory=dict)  # the last decision, for stats
 
     def alpha(self, first_accepted: int, first_drafted: int) -> float:
@@ -113,34 +159,100 @@ class AdaptivePolicy:
             rates.append(prior)
         return rates or [self.prior]
 
-    def choose(self, alphas: list[float], caps: list[int]) -> int:
-        """The round's g: argmax over 0..gamma_max of expected tokens per second (a draft length
-        only if it beats plain decoding by `margin`). alphas[i] is row i's first-draft rate."""
-        b = len(alphas)
-        later = self.later_rates()
-        plain = b / self.cost.verify(b, 1)
-        best_g, best_rate = 0, plain * self.margin
-        for g in range(1, self.gamma_max + 1):
-            if all(c < g for c in caps):
-                break  # no row could use more drafts
-            tokens = sum(expected_tokens_runs(a, later, min(g, c)) for a, c in zip(alphas, caps))
-            seconds = g * self.cost.draft(b) + self.cost.verify(b, g + 1)
-            if tokens / seconds > best_rate:
-                best_g, best_rate = g, tokens / seconds
-        self.last = {"rows": b, "gamma": best_g, "predicted_s": best_g * self.cost.draft(b)
-                     + self.cost.verify(b, best_g + 1)}
-        return best_g
+    def _rates(self, alpha: float, later: list[float], n: int) -> list[float]:
+        return ([alpha] + later)[:n]
 
-    def observe(self, accepted: list[int], drafted: list[int], verify_s: float, draft_s: float) -> None:
-        """After a round: each row's accepted / drafted counts, and the stage times of the decision."""
-        self._pair[0] += sum(accepted)
-        self._pair[1] += sum(drafted)
+    # ------------------------------------------------------------------ costs
+    def verify_s(self, rows: int, total: int, deepest: int) -> float:
+        """A verify pass over `rows` rows verifying `total` drafts, the longest row `deepest`."""
+        return self.cost.verify(rows, 1 + (total / rows if self.packed else deepest))
+
+    def draft_s(self, rows: int, depth_rows: list[int]) -> float:
+        """A draft step per depth j, feeding the depth_rows[j] rows drafting more than j tokens
+        (all rows when the forward is not packed)."""
+        return sum(self.cost.draft(n if self.packed else rows) for n in depth_rows if n)
+
+    def _depths(self, lengths: list[int]) -> list[int]:
+        return [sum(1 for n in lengths if n > j) for j in range(max(lengths, default=0))]
+
+    # ------------------------------------------------------------------ decisions
+    def plan(self, alphas: list[float], caps: list[int]) -> list[int]:
+        """How many tokens each row drafts this round (row i at most caps[i])."""
+        if self.cost is None:
+            return list(caps)
+        later = self.later_rates()
+        gains = [cumulative(self._rates(a, later, c)) for a, c in zip(alphas, caps)]
+        b = len(caps)
+        plain = b / self.cost.verify(b, 1)
+
+        def seconds(total: int, depth_rows: list[int]) -> float:
+            return self.draft_s(b, depth_rows) + self.verify_s(b, total, len(depth_rows))
+
+        lengths, rate = best_budget(self._capped(gains), seconds, b)
+        if rate < plain * self.margin:
+            lengths = [0] * b
+        self.last = {"rows": b, "draft_s": self.draft_s(b, self._depths(lengths)),
+                     "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
+        return lengths
+
+    def prune(self, alphas: list[float], lengths: list[int], confidence: list[list[float] | None] | None,
+              draft_spent_s: float) -> list[int]:
+        """Which drafted tokens to verify: a prefix of lengths[i] per row (TETRIS). confidence[i]
+        is row i's q(d_j), given only for greedy rows: for a sampled row, choosing whether to
+        verify d_j by its own q(d_j) would bias the output (q = (0.9, 0.1) over {a, b}, p = (0.5,
+        0.5), verifying d only when d = a emits a with probability 0.9 x 0.5/0.9 + 0.1 x 0.5 =
+        0.55), so sampled rows are ranked by their acceptance record alone, which no draft of this
+        round influences."""
+        later = self.later_rates()
+        gains = []
+        for i, (a, n) in enumerate(zip(alphas, lengths)):
+            rates = self._rates(a, later, n)
+            if confidence is not None and confidence[i] is not None:
+                rates = [self.calibration.rate(q, r) for q, r in zip(confidence[i], rates)]
+            gains.append(cumulative(rates))
+        b = len(lengths)
+        if self.cost is None:
+            return select(gains, self.budget)
+        chosen, _ = best_budget(self._capped(gains),
+                                lambda total, depth_rows: draft_spent_s + self.verify_s(b, total, len(depth_rows)), b)
+        if self.last.get("rows") == b:
+            self.last["verify_s"] = self.verify_s(b, sum(chosen), max(chosen, default=0))
+        return chosen
+
+    def _capped(self, gains: list[list[float]]) -> list[list[float]]:
+        """With a fixed budget, only its worth of the ranking can be chosen."""
+        if self.budget is None:
+            return gains
+        lengths = select(gains, self.budget)
+        return [g[:n] for g, n in zip(gains, lengths)]
+
+    def speculates(self, rows: int) -> bool:
+        """Whether a batch of `rows` fresh requests would draft at all (else the draft model's
+        prefill can wait until it does: the drafter catches up on what it has not seen)."""
+        if self.cost is None:
+            return True
+        alpha = self.alpha(0, 0)
+        saved = self.last
+        try:
+            return any(self.plan([alpha] * rows, [self.gamma_max] * rows))
+        finally:
+            self.last = saved
+
+    def observe(self, accepted: list[int], verified: list[int], confidence: list[list[float]] | None,
+                verify_s: float, draft_s: float) -> None:
+        """After a round: each row's accepted / verified drafts, the drafts' probabilities, and the
+        stage times of the decision."""
         while len(self._positions) < self.gamma_max:
             self._positions.append([0.0, 0.0])
-        for a, n in zip(accepted, drafted):
+        for i, (a, n) in enumerate(zip(accepted, verified)):
             for j in range(min(a + 1, n)):  # d_1..d_min(a+1, n) were reached; the first a accepted
                 self._positions[j][1] += 1
                 self._positions[j][0] += j < a
-        b, g = self.last.get("rows", 0), self.last.get("gamma", 0)
-        if b:
-            self.cost.correct(self.cost.verify(b, g + 1), verify_s, g * self.cost.draft(b), draft_s)
+                if confidence is not None and confidence[i] is not None:
+                    self.calibration.add(confidence[i][j], j < a)
+        if self.cost is not None and self.last.get("rows") == len(verified):
+            self.cost.correct(self.last["verify_s"], verify_s, self.last["draft_s"], draft_s)
+
+    def predicted_s(self) -> float | None:
+        """The last round's predicted draft + verify seconds (None without a cost model)."""
+        return self.last["draft_s"] + self.last["verify_s"] if "verify_s" in self.last else None

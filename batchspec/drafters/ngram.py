@@ -1,0 +1,127 @@
+"""Prompt lookup (`--drafter ngram[:min_n,max_n,k]`): copy what followed the newest n-gram last time.
+
+Each round, for each row, the longest suffix of the request's tokens (prompt + generated, n from
+max_n down to min_n) that occurred earlier is looked up, and the tokens that followed its most
+recent earlier occurrence are proposed, at most min(k, γ) of them. No model runs, so drafting
+costs a few dictionary operations per row, and proposals are point masses: the target accepts
+d_j with probability p(d_j), which keeps sampling exact (see verify/rejection.py).
+
+The index is incremental: per request a dict from each n-gram to the end of its latest
+occurrence, extended with only the tokens appended since the last round, so a round costs
+O((new tokens + 1) x (max_n - min_n + 1)) whatever the context length; the prompt is indexed
+once, during prefill. Memory: one dict entry per position and n.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.request import Request
+from ..sampling import BatchSampling
+from .base import DraftProposal
+
+MIN_N, MAX_N, K = 2, 4, 10  # defaults: bigrams are the weakest match worth a verify column
+
+
+class NgramIndex:
+    """Where each n-gram (min_n <= n <= max_n) of one growing token sequence last occurred.
+
+    last[g] = e means the n-gram g = tokens[e - n : e] has a token after it (at position e) and e
+    is the largest such end. The newest n-gram (ending at len(tokens)) enters the table only once
+    a token follows it, so looking up the sequence's own suffix finds an earlier occurrence,
+    possibly one that overlaps the suffix.
+
+    Worked example, min_n 1, max_n 3, tokens  a b c d a b c  (positions 0..6, L = 7):
+        indexed ends e = 1..6, e.g. (a, b, c) -> 3, (b, c) -> 3, (c,) -> 3, (a,) -> 5, (d, a, b) -> 6
+        suffix (a, b, c) -> e = 3: the continuation is tokens[3:7] = d a b c, period L - e = 4;
+        with k = 5 it runs past the known tokens by copying itself: d a b c d.
+    Overlapping, tokens a a a a (L = 4), max_n 2: (a, a) -> 3 (tokens[1:3]); period 1: a a a ...
+    No match, tokens a b c d: no earlier (c, d), (d,) -> nothing proposed.
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.last: dict[tuple[int, ...], int] = {}
+        self.upto = 0  # ends e < upto are indexed
+
+    def extend(self, tokens: list[int], end: int | None = None) -> None:
+        """Index the n-grams that end before `end` (default len(tokens)) and have a token after them."""
+        end = len(tokens) if end is None else end
+        lo, hi, last = self.min_n, self.max_n, self.last
+        for e in range(max(self.upto, lo), end):
+            window = tokens[max(0, e - hi):e]
+            for n in range(lo, min(hi, e) + 1):
+                last[tuple(window[len(window) - n:])] = e
+        self.upto = max(self.upto, end)
+
+    def match(self, tokens: list[int]) -> tuple[int, int]:
+        """(n, e): the longest suffix length n with an earlier occurrence ending at e; (0, -1) if none.
+        Call `extend(tokens)` first."""
+        length = len(tokens)
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            e = self.last.get(tuple(tokens[length - n:]))
+            if e is not None:
+                return n, e
+        return 0, -1
+
+    @staticmethod
+    def continuation(tokens: list[int], e: int, count: int) -> list[int]:
+        """`count` tokens copied from position e on; past the end they repeat with period len - e."""
+        period = len(tokens) - e
+        return [tokens[e + j % period] for j in range(count)]
+
+
+def cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
+    """Keep tokens up to and including the first stop token: nothing after it could be emitted."""
+    for j, t in enumerate(tokens):
+        if t in stop_ids:
+            return tokens[: j + 1]
+    return tokens
+
+
+def point_proposal(rows: list[list[int]], device) -> DraftProposal:
+    """Ragged rows of proposed tokens as a deterministic proposal: tokens [B, longest row], padded
+    with 0 (never verified), q one-hot, lengths the rows' lengths."""
+    width = max(len(r) for r in rows)
+    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+    return DraftProposal(tokens, None, [len(r) for r in rows])
+
+
+class NgramDrafter:
+    synthetic = False
+
+    def __init__(self, device, min_n: int = MIN_N, max_n: int = MAX_N, k: int = K) -> None:
+        self.device, self.min_n, self.max_n, self.k = device, min_n, max_n, k
+        self.label = f"ngram:{min_n},{max_n},{k}"
+        self._index: dict[int, NgramIndex] = {}  # request id -> its index
+
+    def index(self, req: Request) -> NgramIndex:
+        idx = self._index.get(req.index)
+        if idx is None:
+            idx = self._index[req.index] = NgramIndex(self.min_n, self.max_n)
+        return idx
+
+    def find(self, req: Request, limit: int) -> tuple[list[int], int]:
+        """(proposed tokens, match length n) for one request: at most min(k, limit) tokens, cut after
+        a stop token; ([], 0) without a match."""
+        idx = self.index(req)
+        idx.extend(req.token_ids)
+        n, e = idx.match(req.token_ids)
+        if n == 0:
+            return [], 0
+        return cut_at_stop(idx.continuation(req.token_ids, e, min(self.k, limit)), req.stop_ids), n
+
+    def prefill(self, reqs: list[Request], ends: list[int]) -> None:
+        for r, e in zip(reqs, ends):  # index the prompt here, outside the decoding rounds
+            self.index(r).extend(r.token_ids, e)
+
+    def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
+                sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
+        caps = lengths if lengths is not None else [gamma] * len(reqs)
+        return point_proposal([self.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)], self.device)
+
+    def observe(self, reqs: list[Request], accepted: list[int]) -> None:
+        pass
+
+    def release(self, req: Request) -> None:
+        self._index.pop(req.index, None)

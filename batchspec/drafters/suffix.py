@@ -1,0 +1,126 @@
+"""Suffix decoding (`--drafter suffix[:depth,k,min_prob,max_tokens]`): propose the most frequent
+continuation of the request's newest tokens, counted over its own tokens and over the prompts and
+outputs of requests that finished earlier.
+
+Two count tries of depth D (trie.py) serve a row: its own, extended with each appended token
+(O(D) per token), and a shared one over finished requests (prompt + output, added when a
+request ends normally, not when it is aborted; at most `max_tokens` tokens, the oldest requests
+evicted first). Proposing for a row:
+
+    1. match: the longest suffix of the row's tokens, 2 <= m <= D - min(k, γ), that has an
+       earlier occurrence with a following token in either trie (one token is too weak a match
+       to spend a verify column on, as for ngram). In the row's own trie the node of each
+       suffix is at hand (its newest windows); the suffix itself is counted there but has no
+       child yet, so only earlier occurrences, overlapping ones included, count. In the shared
+       trie each m costs a walk of m steps: O(D^2) per row at worst.
+    2. continue: from the matched node(s), take the child with the highest count summed over
+       both tries (ties: the smaller token id) while the running product of count / total (the
+       continuation's empirical probability) stays >= min_prob, at most min(k, γ, m) tokens: a
+       continuation seen often, after a long match, is proposed further than one that the
+       history disagrees about, or that follows a one-token match. It ends where the known
+       tokens end (unlike ngram, which repeats a short period).
+
+Worked example, depth 6, k 2, γ 2, own tokens  a b c a b c a b d a b  (no shared history):
+    longest suffix with an earlier occurrence: (a, b), m = 2 (b d a b, d a b: none)
+    after (a, b) came c twice and d once: c, 2/3;  after (a, b, c) came a twice: a, 2/3 x 1
+    min_prob 0.5 -> [c, a];  min_prob 0.7 -> nothing
+
+Proposals are point masses, so sampling stays exact. Everything is deterministic: the same
+requests finishing in the same order give the same proposals.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.request import FinishReason, Request
+from ..sampling import BatchSampling
+from .base import DraftProposal
+from .ngram import cut_at_stop, point_proposal
+from .trie import CountTrie, RequestTrie, SharedTrie
+
+DEPTH, K, MIN_PROB, MAX_TOKENS = 12, 8, 0.25, 1 << 16
+MIN_MATCH = 2
+
+
+def most_frequent_path(at: list[tuple[CountTrie, int]], limit: int, min_prob: float) -> list[int]:
+    """Greedy walk down from nodes (trie, node id) of several tries together, counts summed, at
+    most `limit` tokens, while the product of count / total stays >= min_prob.
+
+    Example, children {7: 3, 9: 1}, then under 7: {4: 2, 5: 2}, min_prob 0.25:
+        7 scores 3/4 = 0.75; then 4 (a tie with 5: the smaller id) 0.75 x 2/4 = 0.375 -> [7, 4, ...]
+    """
+    out, score = [], 1.0
+    while len(out) < limit:
+        counts: dict[int, int] = {}
+        for trie, node in at:
+            for child in trie.children(node):
+                token = trie.token[child]
+                counts[token] = counts.get(token, 0) + trie.count[child]
+        if not counts:
+            break
+        best = min(counts, key=lambda t: (-counts[t], t))
+        score *= counts[best] / sum(counts.values())
+        if score < min_prob:
+            break
+        out.append(best)
+        at = [(trie, child) for trie, node in at if (child := trie.child(node, best)) is not None]
+    return out
+
+
+class SuffixDrafter:
+    synthetic = False
+
+    def __init__(self, device, depth: int = DEPTH, k: int = K, min_prob: float = MIN_PROB,
+                 max_tokens: int = MAX_TOKENS) -> None:
+        self.device, self.depth, self.k, self.min_prob = device, depth, k, min_prob
+        self.label = f"suffix:{depth},{k},{min_prob:g},{max_tokens}"
+        self.shared = SharedTrie(depth, max_tokens)
+        self._tries: dict[int, RequestTrie] = {}  # request id -> its own trie
+
+    def trie(self, req: Request) -> RequestTrie:
+        trie = self._tries.get(req.index)
+        if trie is None:
+            trie = self._tries[req.index] = RequestTrie(self.depth)
+        return trie
+
+    def find(self, req: Request, limit: int) -> tuple[list[int], int]:
+        """(proposed tokens, match length m) for one request; ([], 0) without a match."""
+        tokens, own, shared = req.token_ids, self.trie(req), self.shared
+        own.extend(tokens)
+        limit = min(self.k, limit)
+        longest = min(self.depth - limit, len(tokens))
+        shortest = MIN_MATCH - 1  # (exclusive)
+        m = next((m for m in range(min(longest, len(own.active)), shortest, -1)
+                  if own.kids[own.active[m - 1]] is not None), 0)
+        found = None
+        for n in range(longest, max(m, shortest), -1):  # a longer match in the shared trie?
+            node = shared.find(tokens[len(tokens) - n:])
+            if node is not None and shared.kids[node] is not None:
+                m, found = n, node
+                break
+        if m == 0:
+            return [], 0
+        if found is None:
+            found = shared.find(tokens[len(tokens) - m:])
+        at = [(own, own.active[m - 1])]  # (m <= D - 1 and <= len(tokens): the node exists)
+        if found is not None:
+            at.append((shared, found))
+        return cut_at_stop(most_frequent_path(at, min(limit, m), self.min_prob), req.stop_ids), m
+
+    def prefill(self, reqs: list[Request], ends: list[int]) -> None:
+        for r, e in zip(reqs, ends):
+            self.trie(r).extend(r.token_ids, e)
+
+    def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
+                sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
+        caps = lengths if lengths is not None else [gamma] * len(reqs)
+        return point_proposal([self.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)], self.device)
+
+    def observe(self, reqs: list[Request], accepted: list[int]) -> None:
+        pass
+
+    def release(self, req: Request) -> None:
+        self._tries.pop(req.index, None)
+        if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):  # not aborted
+            self.shared.add(req.token_ids)

@@ -1,0 +1,162 @@
+"""Count tries of bounded depth over token sequences, for the suffix drafter (suffix.py).
+
+Inserting a sequence inserts every window tokens[s : s + D] (shorter at the end) as a path from
+the root and adds 1 to each node on it, so a node's count is how often its path occurs as a
+substring, and its children are the tokens that followed those occurrences:
+
+    depth 3 over  a b a b c  (windows aba, bab, abc, bc, c):
+        a:2 ─ b:2 ─┬─ a:1          the path a b occurs twice; after it came a once and c once
+                   └─ c:1
+        b:2 ─┬─ a:1 ─ b:1
+             └─ c:1
+        c:1
+
+Storage: a node is an int id into three parallel lists (its token, its count, its children);
+children are None, the only child's id, or a dict token -> id. Ints and dicts of ints are not
+tracked by Python's garbage collector, so a trie of a million nodes costs no collection passes
+(a node object per trie node made full collections walk them all: several times slower to
+build), and about 60 bytes a node. Removed nodes' ids are reused.
+
+Costs: add / remove a sequence O(len x D); extend a request's own trie by one token O(D);
+find a path of m tokens O(m). Up to D nodes per token, fewer where text repeats.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+ROOT = 0
+
+
+class CountTrie:
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.token: list[int] = [-1]
+        self.count: list[int] = [0]
+        self.kids: list[int | dict[int, int] | None] = [None]
+        self.free: list[int] = []  # ids of removed nodes
+
+    @property
+    def nodes(self) -> int:
+        return len(self.token) - len(self.free)
+
+    def child(self, node: int, token: int) -> int | None:
+        kids = self.kids[node]
+        if kids is None or kids.__class__ is int:
+            return kids if kids is not None and self.token[kids] == token else None
+        return kids.get(token)
+
+    def children(self, node: int) -> list[int]:
+        kids = self.kids[node]
+        return [] if kids is None else [kids] if kids.__class__ is int else list(kids.values())
+
+    def bump(self, node: int, token: int) -> int:
+        """The child of `node` for `token` (created if missing), its count raised by one."""
+        kids = self.kids[node]
+        if kids is None:
+            child = self.kids[node] = self._new(token)
+        elif kids.__class__ is int:
+            if self.token[kids] == token:
+                child = kids
+            else:
+                child = self._new(token)
+                self.kids[node] = {self.token[kids]: kids, token: child}
+        else:
+            child = kids.get(token)
+            if child is None:
+                child = kids[token] = self._new(token)
+        self.count[child] += 1
+        return child
+
+    def add(self, tokens: list[int]) -> None:
+        for s in range(len(tokens)):
+            node = ROOT
+            for t in tokens[s:s + self.depth]:
+                node = self.bump(node, t)
+
+    def remove(self, tokens: list[int]) -> None:
+        """Undo `add(tokens)`; a node whose count drops to 0 goes, with its subtree."""
+        for s in range(len(tokens)):
+            node = ROOT
+            for t in tokens[s:s + self.depth]:
+                child = self.child(node, t)
+                self.count[child] -= 1
+                if self.count[child] == 0:
+                    self._unlink(node, t)
+                    self._free(child)
+                    break
+                node = child
+
+    def find(self, pattern: list[int]) -> int | None:
+        node = ROOT
+        for t in pattern:
+            if (node := self.child(node, t)) is None:
+                return None
+        return node
+
+    def _new(self, token: int) -> int:
+        if self.free:
+            node = self.free.pop()
+            self.token[node], self.count[node], self.kids[node] = token, 0, None
+            return node
+        self.token.append(token)
+        self.count.append(0)
+        self.kids.append(None)
+        return len(self.token) - 1
+
+    def _unlink(self, node: int, token: int) -> None:
+        kids = self.kids[node]
+        if kids.__class__ is int:
+            self.kids[node] = None
+        else:
+            del kids[token]
+            if len(kids) == 1:
+                self.kids[node] = next(iter(kids.values()))
+
+    def _free(self, node: int) -> None:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            stack.extend(self.children(n))
+            self.kids[n] = None
+            self.free.append(n)
+
+
+class RequestTrie(CountTrie):
+    """The trie of one growing sequence; `active[m - 1]` is the node of its newest m tokens."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__(depth)
+        self.active: list[int] = []  # suffixes of lengths 1 .. D - 1 (longer ones cannot grow)
+        self.upto = 0  # tokens [0, upto) are in the trie
+
+    def extend(self, tokens: list[int], end: int | None = None) -> None:
+        end = len(tokens) if end is None else end
+        bump, keep, active = self.bump, self.depth - 1, self.active
+        for t in tokens[self.upto:end]:
+            active = [bump(ROOT, t), *[bump(node, t) for node in active]][:keep]
+        self.active = active
+        self.upto = max(self.upto, end)
+
+
+class SharedTrie(CountTrie):
+    """Finished requests' tokens, at most `max_tokens` of them: the oldest requests go first."""
+
+    def __init__(self, depth: int, max_tokens: int) -> None:
+        super().__init__(depth)
+        self.max_tokens = max_tokens
+        self.sequences: deque[list[int]] = deque()
+        self.tokens = 0
+
+    def add(self, tokens: list[int]) -> None:
+        """Add a sequence (only its newest max_tokens), evicting the oldest ones to make room."""
+        tokens = list(tokens[max(0, len(tokens) - self.max_tokens):]) if self.max_tokens else []
+        if not tokens:
+            return
+        while self.sequences and self.tokens + len(tokens) > self.max_tokens:
+            old = self.sequences.popleft()
+            self.tokens -= len(old)
+            super().remove(old)
+        super().add(tokens)
+        self.sequences.append(tokens)
+        self.tokens += len(tokens)

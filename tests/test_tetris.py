@@ -1,0 +1,72 @@
+"""TETRIS selection (sched/tetris.py): pure Python, checked against brute force."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchspec.sched.tetris import best_budget, cumulative, ranking, select
+
+EXAMPLE = [cumulative([0.9, 0.8, 0.5]), cumulative([0.5, 0.5, 0.5])]
+
+
+def expected(gains, lengths) -> float:
+    return sum(sum(row[:n]) for row, n in zip(gains, lengths))
+
+
+def test_docstring_example():
+    assert EXAMPLE[0] == pytest.approx([0.9, 0.72, 0.36])
+    assert select(EXAMPLE, 3) == [2, 1]
+    assert expected(EXAMPLE, [2, 1]) == pytest.approx(2.12)
+    assert select(EXAMPLE, 4) == [3, 1]
+    assert select(EXAMPLE, 0) == [0, 0] and select(EXAMPLE, 99) == [3, 3]
+
+
+def test_ties_take_the_earlier_position_so_only_prefixes_are_taken():
+    gains = [[1.0, 1.0, 1.0], [1.0, 1.0]]  # every draft certain: any order of equal gains
+    order = [(i, j) for _, i, j in ranking(gains)]
+    seen = {0: -1, 1: -1}
+    for i, j in order:
+        assert j == seen[i] + 1  # each row's positions come in order
+        seen[i] = j
+
+
+rows = st.lists(st.lists(st.floats(0.01, 1.0), min_size=0, max_size=4), min_size=1, max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rates=rows, budget=st.integers(0, 10))
+def test_select_is_optimal_respects_the_budget_and_takes_prefixes(rates, budget):
+    gains = [cumulative(r) for r in rates]
+    lengths = select(gains, budget)
+    assert sum(lengths) == min(budget, sum(len(g) for g in gains))
+    assert all(0 <= n <= len(g) for n, g in zip(lengths, gains))  # a prefix of each row
+    best = max(expected(gains, c) for c in itertools.product(*[range(len(g) + 1) for g in gains])
+               if sum(c) <= budget)
+    assert expected(gains, lengths) == pytest.approx(best)
+
+
+@settings(max_examples=100, deadline=None)
+@given(rates=rows, fixed=st.floats(0.001, 0.05), per_token=st.floats(0.0001, 0.01))
+def test_best_budget_is_the_best_rate_of_all_choices(rates, fixed, per_token):
+    """With a cost linear in verified tokens (the verify pass once drafting is done), the best
+    prefix of the ranking is the best of every possible per-row choice."""
+    gains = [cumulative(r) for r in rates]
+
+    def seconds(total, depth_rows):
+        return fixed + per_token * total
+
+    lengths, rate = best_budget(gains, seconds, len(gains))
+    brute = max((len(gains) + expected(gains, c)) / seconds(sum(c), None)
+                for c in itertools.product(*[range(len(g) + 1) for g in gains]))
+    assert rate == pytest.approx(brute)
+    assert (len(gains) + expected(gains, lengths)) / seconds(sum(lengths), None) == pytest.approx(rate)
+
+
+def test_best_budget_keeps_the_depth_counts():
+    seen = []
+    best_budget(EXAMPLE, lambda total, depth_rows: seen.append((total, list(depth_rows))) or 1.0, 2)
+    assert seen[:4] == [(0, []), (1, [1]), (2, [1, 1]), (3, [2, 1])]  # 0.9, 0.72 of row 0, then 0.5 of row 1
