@@ -47,7 +47,14 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     policy = engine.policy  # adaptive lengths and TETRIS budgets (sched/adaptive.py), or None: fixed γ
     if policy is not None:
         alphas = [policy.alpha(r.stats.first_accepted, r.stats.first_drafted) for r in batch]
-        lengths = policy.plan(alphas, lengths)
+        weights = None
+        if engine.num_waiting() == 0:  # draining: the batch lasts as long as its longest request
+            most = max(r.remaining for r in batch)
+            weights = [r.remaining / most for r in batch]
+        behind = None
+        if engine.draft_runner is not None:  # a draft model catches up on what it has not seen
+            behind = [max(1, r.num_tokens - r.kv_len.get("draft", 0)) for r in batch]
+        lengths = policy.plan(alphas, lengths, weights, behind)
         before = dict(timer.totals)
     g = max(lengths)
 
@@ -61,7 +68,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         if policy is not None:  # TETRIS: which drafted tokens to verify
             if proposal.confidence is not None:  # greedy rows only (see sched/adaptive.py)
                 confidence = [c if r.params.greedy else None for r, c in zip(batch, proposal.confidence.tolist())]
-            lengths = policy.prune(alphas, lengths, confidence, timer.since(before)["draft"])
+            lengths = policy.prune(alphas, lengths, confidence, timer.since(before)["draft"], weights)
         drafts = drafts[:, :max(lengths)]
         q = q[:, :drafts.shape[1]] if q is not None else None
     else:

@@ -149,10 +149,11 @@ class AdaptivePolicy:
         return min(0.99, (first_accepted + self.strength * prior) / (first_drafted + self.strength))
 
     def later_rates(self) -> list[float]:
-        """P(d_j accepted | d_1..d_{j-1} accepted) for j = 2..γ, pair-wide. A position never reached
-        yet borrows its predecessor's rate as its prior (not the pair's prior: rates grow along a
-        run, and a position the policy never drafts to would otherwise never be tried)."""
-        rates, prior = [], self.prior
+        """P(d_j accepted | d_1..d_{j-1} accepted) for j = 2..γ, pair-wide. A position reached
+        rarely or never borrows its predecessor's rate as its prior, starting from d_1's (rates
+        grow along a run, and a position the policy never drafts to would otherwise never be
+        tried: a prior below the truth would keep it untried)."""
+        rates, prior = [], self.alpha(0, 0)
         for j in range(1, self.gamma_max):
             acc, reached = self._positions[j] if j < len(self._positions) else (0.0, 0.0)
             prior = min(0.99, (acc + self.strength * prior) / (reached + self.strength))
@@ -167,54 +168,66 @@ class AdaptivePolicy:
         """A verify pass over `rows` rows verifying `total` drafts, the longest row `deepest`."""
         return self.cost.verify(rows, 1 + (total / rows if self.packed else deepest))
 
-    def draft_s(self, rows: int, depth_rows: list[int]) -> float:
-        """A draft step per depth j, feeding the depth_rows[j] rows drafting more than j tokens
-        (all rows when the forward is not packed)."""
-        return sum(self.cost.draft(n if self.packed else rows) for n in depth_rows if n)
+    def draft_s(self, rows: int, fed: list[float]) -> float:
+        """A draft step per depth j feeding fed[j] tokens (one per row drafting more than j, and
+        at depth 0 what the drafter has to catch up on); a step costs as a step of that many rows,
+        or of all rows when the forward is not packed."""
+        return sum(self.cost.draft(n if self.packed else max(n, rows)) for n in fed if n)
 
-    def _depths(self, lengths: list[int]) -> list[int]:
-        return [sum(1 for n in lengths if n > j) for j in range(max(lengths, default=0))]
+    @staticmethod
+    def _fed(lengths: list[int], first_fed: list[float] | None) -> list[float]:
+        fed = [float(sum(1 for n in lengths if n > j)) for j in range(max(lengths, default=0))]
+        if fed and first_fed is not None:
+            fed[0] = sum(f for f, n in zip(first_fed, lengths) if n > 0)
+        return fed
 
     # ------------------------------------------------------------------ decisions
-    def plan(self, alphas: list[float], caps: list[int]) -> list[int]:
-        """How many tokens each row drafts this round (row i at most caps[i])."""
+    def plan(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
+             first_fed: list[float] | None = None) -> list[int]:
+        """How many tokens each row drafts this round (row i at most caps[i]). weights[i] (default
+        1) is what a token of row i is worth: when nothing waits for a row, the batch lasts as long
+        as its longest request, so the round passes weigh rows by the work they have left; a row
+        starved of drafts would otherwise be the one everyone waits for. first_fed[i] (default 1)
+        is what the drafter must feed row i to start drafting (more when it is behind on it)."""
         if self.cost is None:
             return list(caps)
+        weights = weights or [1.0] * len(caps)
         later = self.later_rates()
-        gains = [cumulative(self._rates(a, later, c)) for a, c in zip(alphas, caps)]
+        gains = [[w * x for x in cumulative(self._rates(a, later, c))] for a, c, w in zip(alphas, caps, weights)]
         b = len(caps)
-        plain = b / self.cost.verify(b, 1)
+        plain = sum(weights) / self.cost.verify(b, 1)
 
-        def seconds(total: int, depth_rows: list[int]) -> float:
-            return self.draft_s(b, depth_rows) + self.verify_s(b, total, len(depth_rows))
+        def seconds(total: int, fed: list[float]) -> float:
+            return self.draft_s(b, fed) + self.verify_s(b, total, len(fed))
 
-        lengths, rate = best_budget(self._capped(gains), seconds, b)
+        lengths, rate = best_budget(self._capped(gains), seconds, sum(weights), first_fed)
         if rate < plain * self.margin:
             lengths = [0] * b
-        self.last = {"rows": b, "draft_s": self.draft_s(b, self._depths(lengths)),
+        self.last = {"rows": b, "draft_s": self.draft_s(b, self._fed(lengths, first_fed)),
                      "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
         return lengths
 
     def prune(self, alphas: list[float], lengths: list[int], confidence: list[list[float] | None] | None,
-              draft_spent_s: float) -> list[int]:
+              draft_spent_s: float, weights: list[float] | None = None) -> list[int]:
         """Which drafted tokens to verify: a prefix of lengths[i] per row (TETRIS). confidence[i]
         is row i's q(d_j), given only for greedy rows: for a sampled row, choosing whether to
         verify d_j by its own q(d_j) would bias the output (q = (0.9, 0.1) over {a, b}, p = (0.5,
         0.5), verifying d only when d = a emits a with probability 0.9 x 0.5/0.9 + 0.1 x 0.5 =
         0.55), so sampled rows are ranked by their acceptance record alone, which no draft of this
-        round influences."""
+        round influences. weights as in `plan`."""
+        weights = weights or [1.0] * len(lengths)
         later = self.later_rates()
         gains = []
         for i, (a, n) in enumerate(zip(alphas, lengths)):
             rates = self._rates(a, later, n)
             if confidence is not None and confidence[i] is not None:
                 rates = [self.calibration.rate(q, r) for q, r in zip(confidence[i], rates)]
-            gains.append(cumulative(rates))
+            gains.append([weights[i] * x for x in cumulative(rates)])
         b = len(lengths)
         if self.cost is None:
             return select(gains, self.budget)
-        chosen, _ = best_budget(self._capped(gains),
-                                lambda total, depth_rows: draft_spent_s + self.verify_s(b, total, len(depth_rows)), b)
+        chosen, _ = best_budget(self._capped(gains), lambda total, fed: draft_spent_s
+                                + self.verify_s(b, total, len(fed)), sum(weights))
         if self.last.get("rows") == b:
             self.last["verify_s"] = self.verify_s(b, sum(chosen), max(chosen, default=0))
         return chosen
@@ -226,17 +239,20 @@ class AdaptivePolicy:
         lengths = select(gains, self.budget)
         return [g[:n] for g, n in zip(gains, lengths)]
 
-    def speculates(self, rows: int) -> bool:
-        """Whether a batch of `rows` fresh requests would draft at all (else the draft model's
-        prefill can wait until it does: the drafter catches up on what it has not seen)."""
+    def speculates(self, rows: int, margin: float = 1.10) -> bool:
+        """Whether a batch of `rows` fresh requests is predicted to draft with a gain of at least
+        `margin` (else the draft model's prefill waits: the drafter catches up if and when a row
+        drafts, and `plan` prices that catch-up). Stricter than `plan`'s margin: a prefill of the
+        draft is paid in full, a gain near the margin may never come."""
         if self.cost is None:
             return True
         alpha = self.alpha(0, 0)
-        saved = self.last
+        saved, self.margin = self.margin, margin
+        last = self.last
         try:
             return any(self.plan([alpha] * rows, [self.gamma_max] * rows))
         finally:
-            self.last = saved
+            self.margin, self.last = saved, last
 
     def observe(self, accepted: list[int], verified: list[int], confidence: list[list[float]] | None,
                 verify_s: float, draft_s: float) -> None:

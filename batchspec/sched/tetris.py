@@ -55,24 +55,25 @@ def select(gains: Sequence[Sequence[float]], budget: int) -> list[int]:
     return lengths
 
 
-def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[int]], float],
-                base_tokens: float) -> tuple[list[int], float]:
+def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[float]], float],
+                base_tokens: float, first_fed: Sequence[float] | None = None) -> tuple[list[int], float]:
     """The prefix of the ranking with the most (base_tokens + Σ gains) / seconds, where base_tokens
-    is what the round commits with no draft verified (one token per row) and seconds(total,
-    depth_rows) the round's cost for `total` drafts of which depth_rows[j] rows have more than j
-    (kept up to date as the ranking is walked, so a cost is O(γ), not O(rows)). Returns
-    (lengths, tokens per second)."""
+    is what the round commits with no draft verified (one token per row) and seconds(total, fed)
+    the round's cost for `total` drafts, fed[j] being the tokens the draft step at depth j feeds:
+    one per row drafting more than j tokens, except at depth 0, where row i feeds first_fed[i]
+    (default 1: a drafter that is behind on a row catches up in its first step). Kept up to date
+    as the ranking is walked, so a cost is O(γ), not O(rows). Returns (lengths, tokens per second)."""
     lengths = [0] * len(gains)
-    depth_rows: list[int] = []
+    fed: list[float] = []
     tokens = base_tokens
-    best, best_rate = list(lengths), tokens / seconds(0, depth_rows)
+    best, best_rate = list(lengths), tokens / seconds(0, fed)
     for total, (gain, i, j) in enumerate(ranking(gains), start=1):
         lengths[i] += 1
-        if j == len(depth_rows):
-            depth_rows.append(0)
-        depth_rows[j] += 1
+        if j == len(fed):
+            fed.append(0)
+        fed[j] += first_fed[i] if j == 0 and first_fed is not None else 1
         tokens += gain
-        rate = tokens / seconds(total, depth_rows)
+        rate = tokens / seconds(total, fed)
         if rate > best_rate:
             best, best_rate = list(lengths), rate
     return best, best_rate
