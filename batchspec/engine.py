@@ -115,7 +115,7 @@ class SpecEngine:
         packed = isinstance(self.target.forward, LeanForward)  # computes only real tokens
         cost = None
         if cfg.adaptive:
-            rows, cols = (1, max(2, cfg.batch_size)), (1, cfg.gamma + 1)
+            rows, cols = (1, max(2, cfg.batch_size)), tuple(range(1, cfg.gamma + 2))
             draft = self.pair.draft if self.draft_runner is not None else None  # None: a model-free drafter
             profile = profile_costs(self.pair.target, draft, rows, cols, forward=cfg.forward)
             cost = CostModel(rows, cols, profile["verify_s"], profile["draft_s"])

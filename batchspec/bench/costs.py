@@ -66,7 +66,7 @@ _PROFILES: dict[tuple, dict] = {}
 MODEL_FREE_STEP_S = 30e-6  # a model-free drafter's Python work per row per drafted token (scripts/drafter_cost.py)
 
 
-def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, int], context: int = 128,
+def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], context: int = 128,
                   forward: str = "auto", repeats: int = 5) -> dict:
     """Seconds of a verify pass at rows x cols and of a draft step at each of `rows`, through the
     engine's forward, for the adaptive policy (`sched.adaptive.CostModel`). A few forwards per grid
@@ -76,11 +76,10 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, int], c
            context, forward)
     if key not in _PROFILES:
         verify = {(b, n): step_time(target, b, context, n, repeats, forward) for b in rows for n in cols}
-        (b0, b1), (n0, n1) = rows, cols
-        # a noisy machine can time a bigger pass faster: more rows or columns never cost less
-        verify[(b0, n1)] = max(verify[(b0, n1)], verify[(b0, n0)])
-        verify[(b1, n0)] = max(verify[(b1, n0)], verify[(b0, n0)])
-        verify[(b1, n1)] = max(verify[(b1, n1)], verify[(b0, n1)], verify[(b1, n0)])
+        for i, b in enumerate(rows):  # a noisy machine can time a bigger pass faster: more never costs less
+            for j, n in enumerate(cols):
+                verify[(b, n)] = max([verify[(b, n)]] + ([verify[(rows[i - 1], n)]] if i else [])
+                                     + ([verify[(b, cols[j - 1])]] if j else []))
         _PROFILES[key] = {
             "verify_s": verify,
             "draft_s": {b: step_time(draft, b, context, 1, repeats, forward) if draft is not None
