@@ -9,16 +9,21 @@ from batchspec import EngineConfig, SamplingParams, SpecEngine
 from batchspec.sched.adaptive import AdaptivePolicy, CostModel, expected_tokens, expected_tokens_runs
 
 
+def exact_policy(*args, **kwargs) -> AdaptivePolicy:
+    """A policy without the optimism bonus: its rates are exactly the priors and records."""
+    return AdaptivePolicy(*args, optimism=0.0, **kwargs)
+
+
 def cost(draft=0.002, v1=0.020, v4=0.032) -> CostModel:
     return CostModel(rows=(1, 8), cols=(1, 4), verify_s={(1, 1): 0.01, (1, 4): 0.011, (8, 1): v1, (8, 4): v4},
                      draft_s={1: draft, 8: draft})
 
 
 def test_docstring_example():
-    policy = AdaptivePolicy(cost(), gamma_max=3, margin=1.0)
+    policy = exact_policy(cost(), gamma_max=3, margin=1.0)
     assert expected_tokens(0.6, 3) == pytest.approx(2.176)
     assert policy.plan([0.6] * 8, [3] * 8) == [1] * 8
-    assert AdaptivePolicy(cost(), gamma_max=3, prior=0.95, margin=1.0).plan([0.95] * 8, [3] * 8) == [3] * 8
+    assert exact_policy(cost(), gamma_max=3, prior=0.95, margin=1.0).plan([0.95] * 8, [3] * 8) == [3] * 8
     assert policy.plan([0.2] * 8, [3] * 8) == [0] * 8  # speculation does not pay: a plain decoding round
     assert policy.plan([0.95] * 8, [0] * 8) == [0] * 8  # no row may draft (all about to finish)
     mixed = policy.plan([0.95] * 4 + [0.1] * 4, [3] * 8)
@@ -28,7 +33,7 @@ def test_docstring_example():
 def test_plan_is_the_best_of_uniform_lengths():
     """The per-row plan is at least as good (by the model) as every fixed γ."""
     c = cost(draft=0.004, v1=0.020, v4=0.050)
-    policy = AdaptivePolicy(c, gamma_max=3, prior=0.8, margin=1.0)
+    policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
     later = policy.later_rates()
     alphas, caps = [0.9, 0.8, 0.5, 0.2, 0.7, 0.6, 0.9, 0.95], [3, 3, 3, 3, 1, 3, 2, 3]
 
@@ -45,7 +50,7 @@ def test_plan_is_the_best_of_uniform_lengths():
 def test_prune_verifies_what_the_draft_was_sure_of():
     """After drafting, TETRIS keeps the drafts with the best estimated cumulative acceptance; with
     a calibration learned from the draft's probabilities, a doubted draft is dropped."""
-    policy = AdaptivePolicy(None, gamma_max=3, budget=4)
+    policy = exact_policy(None, gamma_max=3, budget=4)
     for _ in range(400):  # the draft's confident tokens are accepted, its unsure ones are not
         policy.observe([1, 0], [1, 1], [[0.95, 0.0, 0.0], [0.15, 0.0, 0.0]], 0.0, 0.0)
     confidence = [[0.95, 0.95, 0.95], [0.15, 0.95, 0.95], [0.95, 0.15, 0.95]]
@@ -54,7 +59,7 @@ def test_prune_verifies_what_the_draft_was_sure_of():
 
 
 def test_runs_of_acceptance_are_learned_per_position():
-    policy = AdaptivePolicy(cost(), gamma_max=3, prior=0.5)
+    policy = exact_policy(cost(), gamma_max=3, prior=0.5)
     for _ in range(200):  # d_1 accepted half the time; once it is, d_2 and d_3 always are
         policy.observe([0, 3], [3, 3], None, 0.0, 0.0)
     assert policy.alpha(0, 0) == pytest.approx(0.5, abs=0.02)
@@ -65,8 +70,8 @@ def test_runs_of_acceptance_are_learned_per_position():
 def test_margin_keeps_plain_decoding_when_the_gain_is_within_it():
     c = cost(draft=0.0, v1=0.020, v4=0.020 * 1.6)
     # γ = 1 for all 8 rows gives 8 x 1.24 / 24 ms = 413 tok/s against 8 / 20 ms = 400: 3 % better
-    assert AdaptivePolicy(c, gamma_max=1, prior=0.24, margin=1.0, packed=False).plan([0.24] * 8, [3] * 8) == [1] * 8
-    assert AdaptivePolicy(c, gamma_max=1, prior=0.24, margin=1.05, packed=False).plan([0.24] * 8, [3] * 8) == [0] * 8
+    assert exact_policy(c, gamma_max=1, prior=0.24, margin=1.0, packed=False).plan([0.24] * 8, [3] * 8) == [1] * 8
+    assert exact_policy(c, gamma_max=1, prior=0.24, margin=1.05, packed=False).plan([0.24] * 8, [3] * 8) == [0] * 8
 
 
 def test_costs_interpolate_and_follow_measurements():
@@ -79,7 +84,7 @@ def test_costs_interpolate_and_follow_measurements():
 
 
 def test_acceptance_estimate_moves_from_the_prior_to_the_record():
-    policy = AdaptivePolicy(cost(), gamma_max=3, prior=0.6)
+    policy = exact_policy(cost(), gamma_max=3, prior=0.6)
     assert policy.alpha(0, 0) == pytest.approx(0.6)
     assert policy.alpha(0, 40) < 0.1 and policy.alpha(40, 40) > 0.9
 
@@ -97,3 +102,13 @@ def test_adaptive_and_budgets_keep_greedy_exact(method, options):
         assert decided is not None and sum(decided["gamma_hist"].values()) == engine.stats.row_rounds
         if "budget" in options:
             assert max(int(k) for k in decided["gamma_hist"]) <= options["budget"]
+
+
+def test_optimism_tries_drafting_under_a_pessimistic_prior_then_follows_the_record():
+    c = cost(draft=0.002, v1=0.020, v4=0.032)
+    assert exact_policy(c, gamma_max=3, prior=0.3).plan([0.3] * 8, [3] * 8) == [0] * 8  # never tries
+    policy = AdaptivePolicy(c, gamma_max=3, prior=0.3)
+    assert any(policy.plan([policy.alpha(0, 0)] * 8, [3] * 8))  # the bonus makes it try
+    for _ in range(100):  # ... and the record it gets (every first draft rejected) ends that
+        policy.observe([0] * 8, [1] * 8, None, 0.0, 0.0)
+    assert policy.plan([policy.alpha(0, 0)] * 8, [3] * 8) == [0] * 8
