@@ -48,8 +48,9 @@ MAX_PREFILL = typer.Option(2048, "--max-prefill-tokens", help="Prompt-token slot
                                                               "are prefilled in chunks between decoding rounds)")
 
 
-ADAPTIVE = typer.Option(False, "--adaptive", help="Choose each round's draft length (0..gamma) from measured costs "
-                                                   "and acceptance (profiles the models for a few seconds first)")
+ADAPTIVE = typer.Option(False, "--adaptive", help="Choose each row's draft length (0..gamma) every round from "
+                                                   "measured costs and acceptance (profiles the models for a few "
+                                                   "seconds first)")
 RAY = typer.Option(None, "--ray", metavar="ADDRESS",
                    help="Run on Ray (needs batchspec[ray]): 'local' starts a Ray instance on this machine, 'auto' "
                         "joins the cluster this machine belongs to, or a cluster address (ray://HOST:10001, "

@@ -33,11 +33,12 @@ class EngineConfig:
                   longer than a row is refused when it is added; others wait for a free row.
     max_prefill_tokens  at most this many prompt-token slots (rows x width) per prefill forward;
                   longer prompts are prefilled in chunks interleaved with decoding rounds.
-    adaptive      choose each round's draft length (0..gamma) from measured step costs and the rows'
-                  acceptance, maximising expected tokens per second (see sched/adaptive.py); gamma is
-                  then the most it drafts (ignored by autoregressive). Greedy output is unchanged;
-                  sampled output stays distributed as the target's, but a seeded request's sample
-                  then depends on its batch.
+    adaptive      plan each row's draft length (0..gamma) every round from measured step costs and
+                  the rows' acceptance, maximising expected tokens per second (all 0: a plain
+                  decoding round), then verify the drafted tokens most likely to be accepted under
+                  the budget that pays best (see sched/adaptive.py); gamma is then the most a row
+                  drafts. Greedy output is unchanged; sampled output stays distributed as the
+                  target's, but a seeded request's sample then depends on its batch.
     budget        TETRIS: verify at most this many draft tokens per round across the batch, chosen by
                   estimated cumulative acceptance (only prefixes of rows' drafts); with adaptive the
                   policy otherwise chooses the budget itself each round (sched/adaptive.py).

@@ -87,8 +87,26 @@ def point_proposal(rows: list[list[int]], device) -> DraftProposal:
     return DraftProposal(tokens, None, [len(r) for r in rows])
 
 
-class NgramDrafter:
+class LookupDrafter:
+    """What model-free drafters share: each row's proposal is what `find(req, cap)` copies from
+    context (a point mass), and there is nothing to learn from what the target accepted."""
+
     synthetic = False
+    device = None
+
+    def find(self, req: Request, limit: int) -> tuple[list[int], int]:
+        raise NotImplementedError
+
+    def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
+                sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
+        caps = lengths if lengths is not None else [gamma] * len(reqs)
+        return point_proposal([self.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)], self.device)
+
+    def observe(self, reqs: list[Request], accepted: list[int]) -> None:
+        pass
+
+
+class NgramDrafter(LookupDrafter):
 
     def __init__(self, device, min_n: int = MIN_N, max_n: int = MAX_N, k: int = K) -> None:
         self.device, self.min_n, self.max_n, self.k = device, min_n, max_n, k
@@ -114,14 +132,6 @@ class NgramDrafter:
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         for r, e in zip(reqs, ends):  # index the prompt here, outside the decoding rounds
             self.index(r).extend(r.token_ids, e)
-
-    def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
-                sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
-        caps = lengths if lengths is not None else [gamma] * len(reqs)
-        return point_proposal([self.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)], self.device)
-
-    def observe(self, reqs: list[Request], accepted: list[int]) -> None:
-        pass
 
     def release(self, req: Request) -> None:
         self._index.pop(req.index, None)

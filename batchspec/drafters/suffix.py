@@ -31,12 +31,8 @@ requests finishing in the same order give the same proposals.
 
 from __future__ import annotations
 
-import torch
-
 from ..core.request import FinishReason, Request
-from ..sampling import BatchSampling
-from .base import DraftProposal
-from .ngram import cut_at_stop, point_proposal
+from .ngram import LookupDrafter, cut_at_stop
 from .trie import CountTrie, RequestTrie, SharedTrie
 
 DEPTH, K, MIN_PROB, MAX_TOKENS = 12, 8, 0.25, 1 << 16
@@ -68,8 +64,7 @@ def most_frequent_path(at: list[tuple[CountTrie, int]], limit: int, min_prob: fl
     return out
 
 
-class SuffixDrafter:
-    synthetic = False
+class SuffixDrafter(LookupDrafter):
 
     def __init__(self, device, depth: int = DEPTH, k: int = K, min_prob: float = MIN_PROB,
                  max_tokens: int = MAX_TOKENS) -> None:
@@ -111,14 +106,6 @@ class SuffixDrafter:
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         for r, e in zip(reqs, ends):
             self.trie(r).extend(r.token_ids, e)
-
-    def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
-                sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
-        caps = lengths if lengths is not None else [gamma] * len(reqs)
-        return point_proposal([self.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)], self.device)
-
-    def observe(self, reqs: list[Request], accepted: list[int]) -> None:
-        pass
 
     def release(self, req: Request) -> None:
         self._tries.pop(req.index, None)

@@ -20,7 +20,10 @@ of each token (greedy rows) and keeps the best budget of verified tokens, the dr
 D and V come from a short profile at start-up (`profile_costs`, a few forwards per grid point,
 cached per model, device, dtype and thread count) interpolated linearly in rows and columns, and
 are corrected online by the ratio of measured to predicted stage times (an exponential average).
-α_i starts from the pair's running acceptance and follows the request's own record.
+α_i starts from the pair's running acceptance and follows the request's own record; a rate resting
+on few drafts gets an optimism bonus (`_bonus`), so a pessimistic prior is tried and corrected.
+When no request waits, rows are weighed by the work they have left (`plan`), and a drafter that
+is behind on a row has its catch-up priced (`first_fed`).
 
 Example, b = 8, D = 2 ms, V(8, n) = 20 + 4 (n - 1) ms (0.5 ms per verified draft), every α = 0.6
 (later rates 0.6 too): plain decoding 8 tokens / 20 ms = 400 tok/s; every row drafting 1 token
