@@ -70,6 +70,7 @@ def test_best_budget_keeps_the_depth_counts():
     seen = []
     best_budget(EXAMPLE, lambda total, depth_rows: seen.append((total, list(depth_rows))) or 1.0, 2)
     assert seen[:4] == [(0, []), (1, [1]), (2, [1, 1]), (3, [2, 1])]  # 0.9, 0.72 of row 0, then 0.5 of row 1
-    seen.clear()  # row 0's drafter is 4 tokens behind: its first step feeds 5
+    seen.clear()  # row 0's drafter is 4 tokens behind: its first step feeds 5, and it now ranks by
+    # gain per token fed (0.18, 0.144, ...), after row 1's 0.5 and 0.25
     best_budget(EXAMPLE, lambda total, fed: seen.append((total, list(fed))) or 1.0, 2, first_fed=[5, 1])
-    assert seen[:4] == [(0, []), (1, [5]), (2, [5, 1]), (3, [6, 1])]
+    assert seen[:5] == [(0, []), (1, [1]), (2, [1, 1]), (3, [6, 1]), (4, [6, 2])]

@@ -18,6 +18,9 @@ class DraftModelDrafter:
 
     label = "draft_model"
     synthetic = False
+    # greedy rounds: also report q(d_j) (a softmax per step); the engine turns it on when a policy
+    # reads it (TETRIS pruning), so fixed-γ rounds skip the work
+    report_confidence = False
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -57,7 +60,7 @@ class DraftModelDrafter:
                 q = None
             elif sampling.all_greedy:
                 token = logits.argmax(-1)
-                q = torch.softmax(logits.float(), dim=-1)
+                q = torch.softmax(logits.float(), dim=-1) if self.report_confidence else None
             else:
                 q = probabilities(logits[:, None], sampling)[:, 0]
                 token = sample(q, uniforms[:, j])

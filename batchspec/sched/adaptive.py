@@ -39,27 +39,6 @@ from dataclasses import dataclass, field
 from .tetris import best_budget, cumulative, select
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """Tokens a round commits when every draft is accepted with probability alpha independently."""
-    if gamma <= 0:
-        return 1.0
-    if alpha >= 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
-
-
-def expected_tokens_runs(first: float, later: list[float], gamma: int) -> float:
-    """Tokens a round commits when d_1 is accepted with probability `first` and d_j (j > 1), given
-    d_1..d_{j-1} accepted, with probability later[j - 2]: 1 + Σ_j Π_{i<=j} rate_i. Acceptance
-    comes in runs (a draft that agreed so far tends to go on agreeing), which the independent model
-    undercounts: measured 2.86 tokens per round at γ = 3 where α = 0.64 gives 2.32."""
-    total, run = 1.0, 1.0
-    for j in range(gamma):
-        run *= first if j == 0 else later[min(j - 1, len(later) - 1)]
-        total += run
-    return total
-
-
 def _lerp(x: float, x0: float, x1: float, y0: float, y1: float) -> float:
     return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
@@ -209,21 +188,24 @@ class AdaptivePolicy:
         is what the drafter must feed row i to start drafting (more when it is behind on it)."""
         if self.cost is None:
             return list(caps)
+        lengths = self._best_lengths(alphas, caps, weights, first_fed)
+        self.last = {"rows": len(caps), "draft_s": self.draft_s(len(caps), self._fed(lengths, first_fed)),
+                     "verify_s": self.verify_s(len(caps), sum(lengths), max(lengths, default=0))}
+        return lengths
+
+    def _best_lengths(self, alphas: list[float], caps: list[int], weights: list[float] | None,
+                      first_fed: list[float] | None) -> list[int]:
+        """`plan`'s decision, without recording it."""
         weights = weights or [1.0] * len(caps)
         later = self.later_rates()
         gains = [[w * x for x in cumulative(self._rates(a, later, c))] for a, c, w in zip(alphas, caps, weights)]
         b = len(caps)
-        plain = sum(weights) / self.cost.verify(b, 1)
 
         def seconds(total: int, fed: list[float]) -> float:
             return self.draft_s(b, fed) + self.verify_s(b, total, len(fed))
 
         lengths, rate = best_budget(self._capped(gains), seconds, sum(weights), first_fed)
-        if rate < plain * self.margin:
-            lengths = [0] * b
-        self.last = {"rows": b, "draft_s": self.draft_s(b, self._fed(lengths, first_fed)),
-                     "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
-        return lengths
+        return lengths if rate >= self.margin * sum(weights) / self.cost.verify(b, 1) else [0] * b
 
     def prune(self, alphas: list[float], lengths: list[int], confidence: list[list[float] | None] | None,
               draft_spent_s: float, weights: list[float] | None = None) -> list[int]:
@@ -257,19 +239,12 @@ class AdaptivePolicy:
         lengths = select(gains, self.budget)
         return [g[:n] for g, n in zip(gains, lengths)]
 
-    def speculates(self, rows: int, margin: float = 1.0) -> bool:
-        """Whether a batch of `rows` fresh requests is predicted to draft with a gain of at least
-        `margin` (else the draft model's prefill waits: the drafter catches up if and when a row
-        drafts, and `plan` prices that catch-up)."""
+    def speculates(self, rows: int) -> bool:
+        """Whether a batch of `rows` fresh requests would draft at all (else the draft model's
+        prefill waits: the drafter catches up if and when a row drafts, and `plan` prices that)."""
         if self.cost is None:
             return True
-        alpha = self.alpha(0, 0)
-        saved, self.margin = self.margin, margin
-        last = self.last
-        try:
-            return any(self.plan([alpha] * rows, [self.gamma_max] * rows))
-        finally:
-            self.margin, self.last = saved, last
+        return any(self._best_lengths([self.alpha(0, 0)] * rows, [self.gamma_max] * rows, None, None))
 
     def observe(self, accepted: list[int], verified: list[int], confidence: list[list[float]] | None,
                 verify_s: float, draft_s: float) -> None:

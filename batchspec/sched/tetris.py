@@ -32,18 +32,20 @@ def cumulative(rates: Sequence[float]) -> list[float]:
     return out
 
 
-def ranking(gains: Sequence[Sequence[float]]) -> list[tuple[float, int, int]]:
-    """Every (gain, row, position) in the order TETRIS takes them: largest gain first, the earlier
-    position first on ties, so every prefix of the ranking is a set of per-row prefixes. A max-heap
-    over each row's next position: O(C log B) for the first C."""
-    heap = [(-row[0], 0, i) for i, row in enumerate(gains) if row]
+def ranking(gains: Sequence[Sequence[float]], cost: Sequence[float] | None = None) -> list[tuple[float, int, int]]:
+    """Every (gain, row, position) in the order TETRIS takes them: largest gain first (per unit of
+    cost[i], row i's price per token, when given), the earlier position first on ties, so every
+    prefix of the ranking is a set of per-row prefixes. A max-heap over each row's next position:
+    O(C log B) for the first C."""
+    scale = cost or [1.0] * len(gains)
+    heap = [(-row[0] / scale[i], 0, i) for i, row in enumerate(gains) if row]
     heapq.heapify(heap)
     out = []
     while heap:
-        neg, j, i = heapq.heappop(heap)
-        out.append((-neg, i, j))
+        _, j, i = heapq.heappop(heap)
+        out.append((gains[i][j], i, j))
         if j + 1 < len(gains[i]):
-            heapq.heappush(heap, (-gains[i][j + 1], j + 1, i))
+            heapq.heappush(heap, (-gains[i][j + 1] / scale[i], j + 1, i))
     return out
 
 
@@ -61,13 +63,15 @@ def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[f
     is what the round commits with no draft verified (one token per row) and seconds(total, fed)
     the round's cost for `total` drafts, fed[j] being the tokens the draft step at depth j feeds:
     one per row drafting more than j tokens, except at depth 0, where row i feeds first_fed[i]
-    (default 1: a drafter that is behind on a row catches up in its first step). Kept up to date
-    as the ranking is walked, so a cost is O(γ), not O(rows). Returns (lengths, tokens per second)."""
+    (default 1: a drafter that is behind on a row catches up in its first step; such a row is
+    ranked by its gains per token fed, so it comes after rows that are cheap to start). Kept up to
+    date as the ranking is walked, so a cost is O(γ), not O(rows). Returns (lengths, tokens per
+    second)."""
     lengths = [0] * len(gains)
     fed: list[float] = []
     tokens = base_tokens
     best, best_rate = list(lengths), tokens / seconds(0, fed)
-    for total, (gain, i, j) in enumerate(ranking(gains), start=1):
+    for total, (gain, i, j) in enumerate(ranking(gains, first_fed), start=1):
         lengths[i] += 1
         if j == len(fed):
             fed.append(0)
