@@ -36,7 +36,7 @@ DRAFTER = typer.Option("draft_model", "--drafter", help="draft_model (the draft 
                                                         "(prompt lookup, no model); "
                                                         "suffix[:depth,k,min_prob,max_tokens] (suffix decoding over "
                                                         "this and earlier requests, no model); "
-                                                        "hybrid[:min_n,max_n,k] (ngram where confident, the draft "
+                                                        "hybrid[:min_n,max_n,k] (ngram where it matches, the draft "
                                                         "model elsewhere); oracle:<p> (synthetic, for overhead "
                                                         "studies). See docs/drafters.md")
 REFILL = typer.Option("continuous", "--refill", help="continuous: refill a finished row at the next round; none: "
@@ -344,8 +344,9 @@ def bench(
                                                                  "draft_model,ngram:2,4,10,suffix; see "
                                                                  "docs/drafters.md)"),
     workload: str = typer.Option("plain", "--workload", help="plain: the prompts as read (the bundled ones unless "
-                                                             "--prompts); repetitive: each prompt sent twice, so "
-                                                             "outputs often copy earlier context"),
+                                                             "--prompts); repetitive: each prompt's text twice; "
+                                                             "echo: prompt + the target's greedy answer + the "
+                                                             "prompt again (the answer is in context to copy)"),
     max_new_tokens: str = typer.Option("128", "--max-new-tokens", help="Tokens per prompt: N, or LO-HI for a seeded "
                                                                          "uniform draw per prompt (a mixed workload)"),
     refill: str = typer.Option("continuous", "--refill", help="Comma-separated: continuous, none (the paper's fixed "
@@ -423,6 +424,9 @@ def bench(
             if not ids:
                 raise ValueError(f"no prompt has {prompt_tokens} tokens")
             params = params[: len(ids)]
+        if workload == "echo":
+            added = len(pair.tokenizer("")["input_ids"])  # what the tokenizer prepends (BOS)
+            ids = echo_workload(pair, ids, [p.max_new_tokens for p in params], added)
         with progress_bar(tokens=False) as bar:
             task = bar.add_task("bench", total=None)
 
@@ -453,6 +457,20 @@ def bench(
 
         for path in plot_all(report["results"], plots, title=f"({m['device']}, {report['config']['dtype']})"):
             console.print(f"wrote {path}")
+
+
+def echo_workload(pair, ids: list[list[int]], counts: list[int], added: int) -> list[list[int]]:
+    """bench --workload echo: each prompt followed by the target's greedy answer (its own `count`
+    tokens, autoregressive, untimed) and the prompt again without the `added` special tokens the
+    tokenizer put in front (BOS)."""
+    from .config import EngineConfig
+    from .engine import SpecEngine
+    from .prompts import echo_ids
+    from .sampling import SamplingParams
+
+    engine = SpecEngine(pair, EngineConfig(method="autoregressive", batch_size=8))
+    outs = engine.generate(ids, [SamplingParams(max_new_tokens=n) for n in counts])
+    return [echo_ids(p, o.token_ids, p[added:]) for p, o in zip(ids, outs)]
 
 
 @app.command()

@@ -66,8 +66,21 @@ def repetitive_prompts(prompts: list[str]) -> list[str]:
     return [p + p if p.endswith("\n") else f"{p}\n{p}" for p in prompts]
 
 
-# bench --workload: name -> how the prompts read from the file (the bundled ones by default) are sent
-WORKLOADS = {"plain": list, "repetitive": repetitive_prompts}
+def echo_ids(prompt: list[int], answer: list[int], again: list[int]) -> list[int]:
+    """A prompt, the target's own answer to it, then the prompt again (`again`: its ids without the
+    BOS). The model is asked a question it has just answered, as in a retry, a regeneration or an
+    agent loop, so its continuation tends to copy the earlier answer from context.
+
+    >>> echo_ids([2, 7, 8], [9, 10], [7, 8])
+    [2, 7, 8, 9, 10, 7, 8]
+    """
+    return [*prompt, *answer, *again]
+
+
+# bench --workload: name -> how the prompts read from the file (the bundled ones by default) are sent.
+# "echo" is built from token ids and the target's answers (see `echo_ids`), so it is listed here with
+# no text transform and completed by the bench command.
+WORKLOADS = {"plain": list, "repetitive": repetitive_prompts, "echo": list}
 
 
 def apply_workload(name: str, prompts: list[str]) -> list[str]:

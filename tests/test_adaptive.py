@@ -95,6 +95,17 @@ def test_costs_interpolate_and_follow_measurements():
     assert c.verify(8, 4) == pytest.approx(0.064, rel=0.01)  # a machine twice as slow as profiled
 
 
+def test_plain_and_speculative_rounds_are_corrected_apart():
+    """Plain rounds measured as profiled leave the speculative rounds' scale where their own
+    measurements put it: 30 % dearer than profiled (overheads a plain round does not have)."""
+    c = cost()
+    for _ in range(200):
+        c.correct(c.verify(8, 1), 0.020, 0.0, 0.0, plain=True)
+        c.correct(c.verify(8, 2), 1.3 * 0.024, 0.0, 0.0)
+    assert c.verify(8, 1) == pytest.approx(0.020, rel=0.01)
+    assert c.verify(8, 2) == pytest.approx(1.3 * 0.024, rel=0.01)
+
+
 def test_acceptance_estimate_moves_from_the_prior_to_the_record():
     policy = exact_policy(cost(), gamma_max=3, prior=0.6)
     assert policy.alpha(0, 0) == pytest.approx(0.6)

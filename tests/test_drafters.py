@@ -25,6 +25,7 @@ from tiny import VOCAB, make_model, perturbed, prompts, references
 
 import batchspec.decode.round as round_module
 from batchspec import EngineConfig, ModelPair, SamplingParams, SpecEngine
+from batchspec.cli import echo_workload
 from batchspec.core.request import FinishReason, Request
 from batchspec.drafters import (
     HybridDrafter,
@@ -34,11 +35,12 @@ from batchspec.drafters import (
     parse_drafter,
     split_drafters,
 )
+from batchspec.drafters.hybrid import ModelGate
 from batchspec.drafters.ngram import NgramDrafter, NgramIndex
 from batchspec.drafters.suffix import SuffixDrafter, most_frequent_path
 from batchspec.drafters.trie import ROOT, CountTrie, RequestTrie, SharedTrie
 from batchspec.harness import warped_probs
-from batchspec.prompts import apply_workload, repetitive_prompts
+from batchspec.prompts import apply_workload, echo_ids, repetitive_prompts
 from batchspec.sampling import BatchSampling, request_seed
 from batchspec.verify.rejection import VerifyResult, rejection_verify
 
@@ -250,7 +252,7 @@ def test_registry_parses_and_refuses_clearly():
     assert parse_drafter("ngram") == ("ngram", (2, 4, 10))
     assert parse_drafter("ngram:1,3") == ("ngram", (1, 3, 10))
     assert parse_drafter("suffix:8,4,0.5,100") == ("suffix", (8, 4, 0.5, 100))
-    assert parse_drafter("hybrid")[1][0] == 3
+    assert parse_drafter("hybrid")[1][0] == 2
     for spec, message in [("ngram:3,2", "min_n <= max_n"), ("ngram:x", "ngram:2,4,10"),
                           ("ngram:1,2,3,4", "ngram\\[:min_n,max_n,k\\]"), ("suffix:4,4", "depth > k"),
                           ("suffix:8,4,2", "min_prob in \\[0, 1\\]"), ("draft_model:1", "takes no arguments"),
@@ -298,8 +300,59 @@ def test_cli_model_free_drafter_needs_no_draft(tiny_dirs):
 def test_repetitive_workload():
     assert repetitive_prompts(["def f():\n", "x = 1"]) == ["def f():\ndef f():\n", "x = 1\nx = 1"]
     assert apply_workload("plain", ["a"]) == ["a"]
-    with pytest.raises(ValueError, match="plain, repetitive"):
+    with pytest.raises(ValueError, match="plain, repetitive, echo"):
         apply_workload("twice", ["a"])
+    assert echo_ids([2, 7, 8], [9, 10], [7, 8]) == [2, 7, 8, 9, 10, 7, 8]
+
+
+def test_echo_workload_holds_the_targets_answer():
+    """bench --workload echo: prompt, the target's greedy answer, the prompt again (no BOS)."""
+    pair, ids, refs = loopy()
+    echoed = echo_workload(pair, ids, [MAX_NEW] * len(ids), added=1)
+    assert echoed == [p + r + p[1:] for p, r in zip(ids, refs)]
+
+
+def test_model_gate_keeps_the_model_only_while_it_pays():
+    gate = ModelGate(weight=1.0, explore_every=3)
+    assert gate.use()  # nothing measured: try it
+    gate.record(tokens=3, seconds=0.010, model=(0.8, 0.004))  # 200 tok/s from the model, 300 overall
+    assert not gate.use()
+    for _ in range(2):
+        gate.skip()
+        gate.record(tokens=3, seconds=0.010, model=None)
+        assert not gate.use()
+    gate.skip()
+    assert gate.use()  # explore again after 3 rounds without it
+    gate.record(tokens=3, seconds=0.010, model=(0.8, 0.004))  # still 200 tok/s: wait twice as long
+    assert gate.wait == 6 and not gate.use()
+    for _ in range(6):
+        gate.skip()
+    assert gate.use()
+    gate.record(tokens=5, seconds=0.010, model=(2.0, 0.002))  # 1000 tok/s from the model: keep it
+    assert gate.use() and gate.skipped == 0 and gate.wait == 3
+
+
+def test_hybrid_drops_a_draft_model_that_does_not_pay():
+    """A draft model whose proposals are never accepted stops running (but for exploration rounds),
+    and the output stays the target's."""
+    pair, ids, refs = loopy()
+    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=2, gamma=3, drafter="hybrid"))
+    hybrid = engine.drafter
+    hybrid.gate = ModelGate(explore_every=1000)
+    model_propose, calls = hybrid.model.propose, []
+
+    def wrong(reqs, gamma, uniforms, sampling, lengths=None):
+        calls.append(len(reqs))
+        out = model_propose(reqs, gamma, uniforms, sampling, lengths)
+        out.tokens = (out.tokens + 1) % pair.vocab_size  # never the target's token
+        return out
+
+    hybrid.model.propose = wrong
+    outs = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [o.token_ids for o in outs] == refs
+    # the first model round catches up on the prompts (not measured), the second is measured: 0
+    # accepted tokens for its time, so every later round skips the model
+    assert len(calls) == 2 and hybrid.gate.model[0] == 0 and hybrid.gate.skipped > 20
 
 
 # ------------------------------------------------------------------------------------- greedy equivalence
@@ -403,6 +456,7 @@ def test_hybrid_mixes_rows_and_keeps_the_draft_kv_exact():
     engine = SpecEngine(pair, EngineConfig(method="exspec", batch_size=2, gamma=3, drafter="hybrid", debug=True))
     hybrid = engine.drafter
     assert isinstance(hybrid, HybridDrafter)
+    hybrid.gate = ModelGate(explore_every=0)  # the model drafts for every row without a match (no timing involved)
     mixes, calls = [], []
     model_propose = hybrid.model.propose
 
@@ -468,6 +522,7 @@ def test_hybrid_sampling_matches_the_target():
     target, draft = models()
     engine = SpecEngine(ModelPair(target, draft, None, V, ()),
                         EngineConfig(method="eqspec", batch_size=32, gamma=2, drafter="hybrid"))
+    engine.drafter.gate = ModelGate(explore_every=0)  # model rows in every batch, whatever the clock says
     sp = SamplingParams(temperature=1.0, max_new_tokens=4)
     n = 2 * (N // 3)
     params = [SamplingParams(temperature=1.0, max_new_tokens=4, seed=request_seed(2, i)) for i in range(n)]

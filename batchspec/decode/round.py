@@ -16,6 +16,8 @@ not depend on its batch.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..core.request import Request
@@ -39,6 +41,7 @@ def draft_lengths(batch: list[Request], gamma: int, rope_limit: int | None = Non
 
 def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     """Advance every request of `batch` (in slot order) by one round; counters go to `stats`."""
+    started = time.perf_counter()
     gamma, timer, target = engine.gamma, engine.timer, engine.target
     device = engine.device
     sampling = BatchSampling.of([r.params for r in batch], device)
@@ -94,14 +97,6 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     target.commit(batch, [1 + a for a in accepted])  # the newest token and the accepted drafts
     if g > 0:  # (the drafter ran, even if it found nothing to propose or nothing was verified)
         engine.drafter.observe(batch, accepted)
-    if policy is not None:
-        spent = timer.since(before)
-        policy.observe(accepted, lengths, confidence, spent["verify"], spent["draft"])
-        predicted = policy.predicted_s()
-        if predicted is not None:
-            stats.predicted_s += predicted
-            stats.measured_s += spent["verify"] + spent["draft"]
-
     stats.rounds += 1
     stats.row_rounds += len(batch)
     stats.idle_rows += target.stats.idle_rows - idle_before
@@ -119,3 +114,11 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             stats.accepted += a
             stats.accept_hist[a] += 1
             stats.gamma_hist[n] += 1
+    if policy is not None:  # the whole round is measured: the policy weighs it all
+        draft_s = timer.since(before)["draft"]
+        rest_s = time.perf_counter() - started - draft_s
+        policy.observe(accepted, lengths, confidence, rest_s, draft_s)
+        predicted = policy.predicted_s()
+        if predicted is not None:
+            stats.predicted_s += predicted
+            stats.measured_s += rest_s + draft_s

@@ -1,22 +1,33 @@
-"""Hybrid drafting (`--drafter hybrid[:min_n,max_n,k]`): prompt lookup where it is confident, the
+"""Hybrid drafting (`--drafter hybrid[:min_n,max_n,k]`): prompt lookup where it finds a match, the
 draft model elsewhere, decided per row and per round.
 
-A row is confident when its newest min_n tokens (default 3, stricter than `ngram`'s 2) occurred
-earlier: it gets the n-gram proposal (see ngram.py). The draft model runs only on the other
-rows, in slot order, as a sub-batch. Its bookkeeping stays exact across rounds in which a row
-was drafted by n-gram: such a row's draft KV simply lags, and the next time the draft model
-drafts for it, it first feeds the tokens it has not seen (`DraftModelDrafter` computes them from
-the row's committed draft length), then commits u + min(a, n - 1) as always (n: the tokens it
-drafted for the row).
+A row whose newest min_n tokens (default 2, as `ngram`) occurred earlier gets the n-gram proposal
+(see ngram.py), so the hybrid proposes at least what `ngram` does. The draft model runs only on
+the other rows, in slot order, as a sub-batch. Its bookkeeping stays exact across rounds in
+which a row was drafted by n-gram: such a row's draft KV simply lags, and the next time the draft
+model drafts for it, it first feeds the tokens it has not seen (`DraftModelDrafter` computes them
+from the row's committed draft length), then commits u + min(a, n - 1) as always (n: the tokens
+it drafted for the row). The draft model's prefill is lazy for the same reason: a prompt enters
+the draft KV the first time the model drafts for its row, so a request the n-gram serves alone
+never costs a draft forward.
 
-Example, γ = 3, rows r0 r1 r2, r1 confident with a 2-token n-gram proposal:
+Example, γ = 3, rows r0 r1 r2, r1 with a 2-token n-gram proposal:
     draft model on [r0, r2]      tokens [2, 3] and, when sampling, q [2, 3, V]
     proposal tokens [3, 3]       rows r0, r2 from the model; r1 = its 2 tokens + 1 padding
              lengths [3, 2, 3]   q [3, 3, V]: r1's rows one-hot at its tokens (point masses)
     observe(accepted [1, 2, 0])  the model commits for r0 and r2 only
+
+The draft model runs only while it earns its time (`ModelGate`): the tokens it gets accepted per
+second it costs (its steps plus its share of the verify pass) must reach the tokens per second of
+the rounds as a whole; otherwise the rows without a match are not drafted (an n-gram-only round),
+with a model round now and then to keep the measurement fresh (less often while it keeps
+failing). So on prompts the n-gram copies well, or at batch sizes where a draft step costs more
+than it brings, the hybrid falls back to its better part instead of paying for the worse one.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -26,7 +37,54 @@ from .base import DraftProposal
 from .model import DraftModelDrafter
 from .ngram import NgramDrafter
 
-MIN_N = 3
+MIN_N = 2
+
+
+class ModelGate:
+    """Whether the draft model's tokens are worth their time, from exponential averages per round.
+
+    Adding work that takes c seconds and yields y tokens to rounds that make T tokens in S seconds
+    raises the rate iff y / c > T / S (and then y / c > (T + y) / (S + c) too, so comparing against
+    rounds measured with the model in them decides the same). Example: rounds of 3 tokens in 10 ms
+    (300 tok/s); the model's rows yield 0.8 accepted tokens for 4 ms of draft steps and verify
+    share (200 tok/s): skip it, and explore it again after `explore_every` rounds without it, then
+    after twice as many each time exploring shows it still does not pay (at most `max_wait`
+    rounds), so a model that never pays costs next to nothing in the long run.
+    """
+
+    def __init__(self, weight: float = 0.1, explore_every: int = 16, max_wait: int = 512) -> None:
+        self.weight, self.explore_every, self.max_wait = weight, explore_every, max_wait
+        self.wait = explore_every  # rounds without the model before it is tried again
+        self.round: list[float] | None = None  # [tokens, seconds] per round
+        self.model: list[float] | None = None  # [accepted tokens, seconds] per round the model ran
+        self.skipped = 0
+
+    def use(self) -> bool:
+        if self.round is None or self.model is None or self.skipped >= self.wait:
+            return True
+        return self.pays()
+
+    def pays(self) -> bool:
+        return self.model is not None and self.round is not None and \
+            self.model[0] * self.round[1] >= self.round[0] * self.model[1]
+
+    def record(self, tokens: float, seconds: float, model: tuple[float, float] | None) -> None:
+        self.round = self._mix(self.round, (tokens, seconds))
+        if model is not None:
+            explored = self.skipped >= self.wait
+            self.model, self.skipped = self._mix(self.model, model), 0
+            if self.pays():
+                self.wait = self.explore_every
+            elif explored:
+                self.wait = min(self.max_wait, 2 * self.wait)
+
+    def skip(self) -> None:
+        self.skipped += 1
+
+    def _mix(self, avg: list[float] | None, new: tuple[float, float]) -> list[float]:
+        if avg is None:
+            return list(new)
+        return [a + self.weight * (x - a) for a, x in zip(avg, new)]
 
 
 class HybridDrafter:
@@ -36,20 +94,32 @@ class HybridDrafter:
         self.model, self.ngram = model, ngram
         self.label = "hybrid:" + ngram.label.partition(":")[2]
         self._model_rows: list[int] = []  # rows the draft model drafted for this round
+        self.gate = ModelGate()
+        # this round: (start, model seconds or None when it is not to be measured, lengths)
+        self._round: tuple[float, float | None, list[int]] | None = None
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
-        self.model.prefill(reqs, ends)
-        self.ngram.prefill(reqs, ends)
+        self.ngram.prefill(reqs, ends)  # the draft model catches up when it first drafts a row
 
     def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
                 sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
+        start = time.perf_counter()
         caps = lengths if lengths is not None else [gamma] * len(reqs)
         found = [self.ngram.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)]
         device = self.model.runner.device
         tokens = torch.tensor([f + [0] * (gamma - len(f)) for f in found], dtype=torch.long, device=device)
         rows = self._model_rows = [i for i, (f, c) in enumerate(zip(found, caps)) if c > 0 and not f]
+        if rows and not self.gate.use():
+            self.gate.skip()
+            rows = self._model_rows = []
         if not rows:
+            self._round = (start, 0.0, [len(f) for f in found])
             return DraftProposal(tokens, None, [len(f) for f in found])
+        # a row the model first catches up on (its prompt, or a long n-gram stretch) costs a one-off
+        # that says nothing about later rounds: such a round does not feed the gate's model average
+        name = self.model.runner.name
+        catching_up = any(reqs[i].num_tokens - reqs[i].kv_len.get(name, 0) > 2 * (gamma + 1) for i in rows)
+        model_start = time.perf_counter()
         sub = [reqs[i] for i in rows]  # a subsequence of a batch in slot order: still in slot order
         sub_caps = [caps[i] for i in rows]
         width = max(sub_caps)
@@ -65,12 +135,26 @@ class HybridDrafter:
         lengths = [len(f) for f in found]
         for i, c in zip(rows, sub_caps):
             lengths[i] = c
+        self._round = (start, None if catching_up else time.perf_counter() - model_start, lengths)
         return DraftProposal(tokens, probs, lengths)
 
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:
-        if self._model_rows:
-            self.model.observe([reqs[i] for i in self._model_rows], [accepted[i] for i in self._model_rows])
-            self._model_rows = []
+        rows, self._model_rows = self._model_rows, []
+        if rows:
+            self.model.observe([reqs[i] for i in rows], [accepted[i] for i in rows])
+        if self._round is None:
+            return
+        start, model_s, lengths = self._round
+        self._round = None
+        seconds = time.perf_counter() - start  # draft + verify of this round
+        if rows and model_s is None:  # a catch-up round: not representative of either average
+            return
+        fed = len(reqs) + sum(lengths)
+        per_token = max(0.0, seconds - (model_s or 0.0)) / fed  # the verify pass's cost per token it fed
+        model = None
+        if rows:  # what the model's rows gained, and what they cost: its steps and their verify share
+            model = (sum(accepted[i] for i in rows), model_s + per_token * sum(lengths[i] for i in rows))
+        self.gate.record(len(reqs) + sum(accepted), seconds, model)
 
     def release(self, req: Request) -> None:
         self.model.release(req)

@@ -35,7 +35,7 @@ from ..core.request import FinishReason, Request
 from .ngram import LookupDrafter, cut_at_stop
 from .trie import CountTrie, RequestTrie, SharedTrie
 
-DEPTH, K, MIN_PROB, MAX_TOKENS = 12, 8, 0.25, 1 << 16
+DEPTH, K, MIN_PROB, MAX_TOKENS = 20, 8, 0.25, 1 << 16
 MIN_MATCH = 2
 
 

@@ -55,25 +55,43 @@ class CostModel:
     cols: tuple[int, ...]
     verify_s: dict[tuple[int, int], float]  # (rows, cols) -> seconds
     draft_s: dict[int, float]  # rows -> seconds of one draft step
-    verify_scale: float = 1.0
+    verify_scale: float = 1.0  # measured / profiled, rounds that verify drafts
+    plain_scale: float = 1.0  # ... plain rounds (one token per row)
     draft_scale: float = 1.0
+    _cached_b: int | None = field(default=None, repr=False, compare=False)
+    _cached: list[float] = field(default_factory=list, repr=False, compare=False)
 
     def verify(self, b: int, n: float) -> float:
-        (b0, b1), cols = self.rows, self.cols
+        cols, at = self.cols, self._at_rows(b)
         k = next((i for i in range(1, len(cols) - 1) if n <= cols[i]), len(cols) - 1)  # segment [k-1, k]
-        n0, n1 = cols[k - 1], cols[k]
-        at = {c: _lerp(b, b0, b1, self.verify_s[(b0, c)], self.verify_s[(b1, c)]) for c in (n0, n1)}
-        return max(1e-6, self.verify_scale * _lerp(n, n0, n1, at[n0], at[n1]))
+        scale = self.plain_scale if n <= 1 else self.verify_scale
+        return max(1e-6, scale * _lerp(n, cols[k - 1], cols[k], at[k - 1], at[k]))
+
+    def _at_rows(self, b: int) -> list[float]:
+        """V(b, c) for every profiled column c (unscaled); a plan asks for one b hundreds of times."""
+        if self._cached_b != b:
+            b0, b1 = self.rows
+            self._cached_b = b
+            self._cached = [_lerp(b, b0, b1, self.verify_s[(b0, c)], self.verify_s[(b1, c)]) for c in self.cols]
+        return self._cached
 
     def draft(self, b: int) -> float:
         b0, b1 = self.rows
         return max(0.0, self.draft_scale * _lerp(b, b0, b1, self.draft_s[b0], self.draft_s[b1]))
 
     def correct(self, predicted_verify: float, measured_verify: float, predicted_draft: float,
-                measured_draft: float, weight: float = 0.1) -> None:
-        """Move the scales toward measured / predicted (an exponential average)."""
+                measured_draft: float, plain: bool = False, weight: float = 0.1) -> None:
+        """Move the scales toward measured / predicted (an exponential average). Plain rounds and
+        rounds that verify drafts keep separate verify scales: what a speculative round costs
+        beyond its passes (ragged bookkeeping, proposals, the policy itself) is not a plain
+        round's, and plain rounds, often the majority, would otherwise set the scale the
+        speculative ones are predicted by."""
         if predicted_verify > 0 and measured_verify > 0:
-            self.verify_scale *= (measured_verify / predicted_verify) ** weight
+            factor = (measured_verify / predicted_verify) ** weight
+            if plain:
+                self.plain_scale *= factor
+            else:
+                self.verify_scale *= factor
         if predicted_draft > 0 and measured_draft > 0:
             self.draft_scale *= (measured_draft / predicted_draft) ** weight
 
@@ -248,8 +266,9 @@ class AdaptivePolicy:
 
     def observe(self, accepted: list[int], verified: list[int], confidence: list[list[float]] | None,
                 verify_s: float, draft_s: float) -> None:
-        """After a round: each row's accepted / verified drafts, the drafts' probabilities, and the
-        stage times of the decision."""
+        """After a round: each row's accepted / verified drafts, the drafts' probabilities, the
+        draft stage's seconds and the rest of the round's (the verify pass and everything around
+        it: what the decision between a plain and a speculative round has to weigh)."""
         while len(self._positions) < self.gamma_max:
             self._positions.append([0.0, 0.0])
         for i, (a, n) in enumerate(zip(accepted, verified)):
@@ -259,7 +278,7 @@ class AdaptivePolicy:
                 if confidence is not None and confidence[i] is not None:
                     self.calibration.add(confidence[i][j], j < a)
         if self.cost is not None and self.last.get("rows") == len(verified):
-            self.cost.correct(self.last["verify_s"], verify_s, self.last["draft_s"], draft_s)
+            self.cost.correct(self.last["verify_s"], verify_s, self.last["draft_s"], draft_s, plain=not any(verified))
 
     def predicted_s(self) -> float | None:
         """The last round's predicted draft + verify seconds (None without a cost model)."""

@@ -67,17 +67,19 @@ def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[f
     ranked by its gains per token fed, so it comes after rows that are cheap to start). Kept up to
     date as the ranking is walked, so a cost is O(γ), not O(rows). Returns (lengths, tokens per
     second)."""
-    lengths = [0] * len(gains)
+    order = ranking(gains, first_fed)
     fed: list[float] = []
     tokens = base_tokens
-    best, best_rate = list(lengths), tokens / seconds(0, fed)
-    for total, (gain, i, j) in enumerate(ranking(gains, first_fed), start=1):
-        lengths[i] += 1
+    best_total, best_rate = 0, tokens / seconds(0, fed)
+    for total, (gain, i, j) in enumerate(order, start=1):
         if j == len(fed):
             fed.append(0)
         fed[j] += first_fed[i] if j == 0 and first_fed is not None else 1
         tokens += gain
         rate = tokens / seconds(total, fed)
         if rate > best_rate:
-            best, best_rate = list(lengths), rate
-    return best, best_rate
+            best_total, best_rate = total, rate
+    lengths = [0] * len(gains)
+    for _, i, _ in order[:best_total]:
+        lengths[i] += 1
+    return lengths, best_rate
