@@ -157,3 +157,33 @@ def test_a_drafter_far_behind_on_a_row_is_priced():
     assert all(policy.plan([0.8] * 8, [3] * 8))
     behind = policy.plan([0.8] * 8, [3] * 8, first_fed=[400] + [1] * 7)
     assert behind[0] == 0 and all(behind[1:])
+
+
+def test_guard_stops_speculation_that_measures_slower_than_plain_rounds():
+    """The plan predicts that drafting pays; the rounds say otherwise (a speculative round takes
+    twice a plain round's time for 1.5 tokens a row): the policy turns plain, explores after 16
+    plain rounds, then waits twice as long. Other batch sizes are judged apart."""
+    c = cost(draft=0.002, v1=0.020, v4=0.032)
+    policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
+    alphas, caps = [0.8] * 8, [3] * 8
+    plain_s = 1.2 * c.verify(8, 1)  # what a plain round really takes (overheads the profile lacks)
+
+    def observe(lengths):
+        if any(lengths):
+            policy.observe([0, 1] * 4, lengths, None, 2 * plain_s, 0.0)
+        else:
+            policy.observe([0] * 8, lengths, None, plain_s, 0.0)
+
+    lengths = policy.plan(alphas, caps)
+    assert any(lengths)
+    observe(lengths)
+    assert any(policy.plan(alphas, caps))  # no plain round measured yet: the plan is trusted
+    observe([0] * 8)
+    assert policy.plan(alphas, caps) == [0] * 8  # 0.75 of a plain round's rate: stay plain
+    assert any(policy.plan([0.8] * 2, [3] * 2))  # 2 rows: nothing measured there
+    for _ in range(15):
+        observe(policy.plan(alphas, caps))
+    explore = policy.plan(alphas, caps)
+    assert any(explore)  # one speculative round after 16 plain ones
+    observe(explore)  # still slower
+    assert policy.guard.wait[policy.guard.bucket(8)] == 32 and policy.plan(alphas, caps) == [0] * 8

@@ -48,7 +48,10 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     u = None if sampling.all_greedy else draw_uniforms([r.generator for r in batch], 2 * gamma + 1, device)
     lengths = draft_lengths(batch, gamma, target.rope_limit)
     policy = engine.policy  # adaptive lengths and TETRIS budgets (sched/adaptive.py), or None: fixed γ
-    if policy is not None:
+    if policy is not None and policy.plain_now(len(batch)):  # measured: speculating loses at this size
+        lengths = policy.plain(len(batch))
+        before = dict(timer.totals)
+    elif policy is not None:
         alphas = [policy.alpha(r.stats.first_accepted, r.stats.first_drafted) for r in batch]
         weights = None
         if engine.num_waiting() == 0:  # draining: the batch lasts as long as its longest request

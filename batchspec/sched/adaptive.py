@@ -23,7 +23,9 @@ are corrected online by the ratio of measured to predicted stage times (an expon
 α_i starts from the pair's running acceptance and follows the request's own record; a rate resting
 on few drafts gets an optimism bonus (`_bonus`), so a pessimistic prior is tried and corrected.
 When no request waits, rows are weighed by the work they have left (`plan`), and a drafter that
-is behind on a row has its catch-up priced (`first_fed`).
+is behind on a row has its catch-up priced (`first_fed`). Plain and speculative rounds are timed
+whole and corrected apart, and a `SpecGuard` has the last word: where speculative rounds have
+measured slower than plain ones at this batch size, rounds stay plain but for rare explorations.
 
 Example, b = 8, D = 2 ms, V(8, n) = 20 + 4 (n - 1) ms (0.5 ms per verified draft), every α = 0.6
 (later rates 0.6 too): plain decoding 8 tokens / 20 ms = 400 tok/s; every row drafting 1 token
@@ -62,10 +64,14 @@ class CostModel:
     _cached: list[float] = field(default_factory=list, repr=False, compare=False)
 
     def verify(self, b: int, n: float) -> float:
+        scale = self.plain_scale if n <= 1 else self.verify_scale
+        return max(1e-6, scale * self.profiled(b, n))
+
+    def profiled(self, b: int, n: float) -> float:
+        """V(b, n) as profiled, without the online corrections."""
         cols, at = self.cols, self._at_rows(b)
         k = next((i for i in range(1, len(cols) - 1) if n <= cols[i]), len(cols) - 1)  # segment [k-1, k]
-        scale = self.plain_scale if n <= 1 else self.verify_scale
-        return max(1e-6, scale * _lerp(n, cols[k - 1], cols[k], at[k - 1], at[k]))
+        return _lerp(n, cols[k - 1], cols[k], at[k - 1], at[k])
 
     def _at_rows(self, b: int) -> list[float]:
         """V(b, c) for every profiled column c (unscaled); a plan asks for one b hundreds of times."""
@@ -118,6 +124,55 @@ class Calibration:
         counts[1] += 1
 
 
+class SpecGuard:
+    """The last word on speculating, from what rounds really delivered. Per batch size (in powers
+    of two), exponential averages of tokens per second of speculative rounds and of plain rounds,
+    each as a multiple of what the profile predicts for a plain round at that batch size (so
+    rounds of 9 and of 15 rows compare, and what the profile leaves out falls on both alike).
+    Where both are measured and speculative rounds deliver less, rounds stay plain but for one
+    speculative round after `explore_every` plain ones, then twice as many each time it still
+    loses (at most `max_wait`): speculation never stays slower than plain decoding for long,
+    and a change (a batch that empties, text that starts repeating) is noticed.
+
+    Example, 32 rows: plain rounds run at 0.9 of the profile's plain rate (overheads), speculative
+    rounds at 0.84 (1.3 tokens a row in 1.55 plain rounds' time) -> plain, exploring after 16
+    plain rounds, then 32, 64, ...
+    """
+
+    def __init__(self, weight: float = 0.2, explore_every: int = 16, max_wait: int = 512) -> None:
+        self.weight, self.explore_every, self.max_wait = weight, explore_every, max_wait
+        self.spec: dict[int, float] = {}  # bucket -> speculative rounds' rate / profiled plain rate
+        self.plain: dict[int, float] = {}  # bucket -> plain rounds' rate / profiled plain rate
+        self.since: dict[int, int] = {}  # bucket -> plain rounds since its last speculative one
+        self.wait: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return max(1, rows).bit_length()
+
+    def loses(self, k: int) -> bool:
+        return k in self.spec and k in self.plain and self.spec[k] < self.plain[k]
+
+    def allows(self, rows: int) -> bool:
+        k = self.bucket(rows)
+        return not self.loses(k) or self.since.get(k, 0) >= self.wait.get(k, self.explore_every)
+
+    def record(self, rows: int, rate: float, speculative: bool) -> None:
+        """A round of `rows` rows delivered `rate` x the profile's plain tokens per second."""
+        k = self.bucket(rows)
+        avg = self.spec if speculative else self.plain
+        avg[k] = rate if k not in avg else avg[k] + self.weight * (rate - avg[k])
+        if not speculative:
+            self.since[k] = self.since.get(k, 0) + 1
+            return
+        explored = self.since.get(k, 0) >= self.wait.get(k, self.explore_every)
+        self.since[k] = 0
+        if not self.loses(k):
+            self.wait[k] = self.explore_every
+        elif explored:
+            self.wait[k] = min(self.max_wait, 2 * self.wait.get(k, self.explore_every))
+
+
 @dataclass
 class AdaptivePolicy:
     """Per-row draft lengths for each round, in two steps (`decode/round.py` calls both):
@@ -147,6 +202,7 @@ class AdaptivePolicy:
     _positions: list[list[float]] = field(default_factory=list)
     calibration: Calibration = field(default_factory=Calibration)
     last: dict = field(default_factory=dict)  # the last decision, for stats
+    guard: SpecGuard = field(default_factory=SpecGuard)  # measured speculative / plain rates
 
     def alpha(self, first_accepted: int, first_drafted: int) -> float:
         """A row's first-draft acceptance: its own record, shrunk toward the pair's running rate,
@@ -206,10 +262,21 @@ class AdaptivePolicy:
         is what the drafter must feed row i to start drafting (more when it is behind on it)."""
         if self.cost is None:
             return list(caps)
+        if not self.guard.allows(len(caps)):
+            return self.plain(len(caps))
         lengths = self._best_lengths(alphas, caps, weights, first_fed)
         self.last = {"rows": len(caps), "draft_s": self.draft_s(len(caps), self._fed(lengths, first_fed)),
                      "verify_s": self.verify_s(len(caps), sum(lengths), max(lengths, default=0))}
         return lengths
+
+    def plain(self, rows: int) -> list[int]:
+        """A plain round, recorded as the decision (the guard ruled out speculating: `plan` skips
+        its ranking, and the caller need not estimate anything per row)."""
+        self.last = {"rows": rows, "draft_s": 0.0, "verify_s": self.cost.verify(rows, 1)}
+        return [0] * rows
+
+    def plain_now(self, rows: int) -> bool:
+        return self.cost is not None and not self.guard.allows(rows)
 
     def _best_lengths(self, alphas: list[float], caps: list[int], weights: list[float] | None,
                       first_fed: list[float] | None) -> list[int]:
@@ -223,7 +290,9 @@ class AdaptivePolicy:
             return self.draft_s(b, fed) + self.verify_s(b, total, len(fed))
 
         lengths, rate = best_budget(self._capped(gains), seconds, sum(weights), first_fed)
-        return lengths if rate >= self.margin * sum(weights) / self.cost.verify(b, 1) else [0] * b
+        if rate < self.margin * sum(weights) / self.cost.verify(b, 1) or not self.guard.allows(b):
+            return [0] * b
+        return lengths
 
     def prune(self, alphas: list[float], lengths: list[int], confidence: list[list[float] | None] | None,
               draft_spent_s: float, weights: list[float] | None = None) -> list[int]:
@@ -262,7 +331,8 @@ class AdaptivePolicy:
         prefill waits: the drafter catches up if and when a row drafts, and `plan` prices that)."""
         if self.cost is None:
             return True
-        return any(self._best_lengths([self.alpha(0, 0)] * rows, [self.gamma_max] * rows, None, None))
+        return self.guard.allows(rows) and \
+            any(self._best_lengths([self.alpha(0, 0)] * rows, [self.gamma_max] * rows, None, None))
 
     def observe(self, accepted: list[int], verified: list[int], confidence: list[list[float]] | None,
                 verify_s: float, draft_s: float) -> None:
@@ -279,7 +349,12 @@ class AdaptivePolicy:
                     self.calibration.add(confidence[i][j], j < a)
         if self.cost is not None and self.last.get("rows") == len(verified):
             self.cost.correct(self.last["verify_s"], verify_s, self.last["draft_s"], draft_s, plain=not any(verified))
+            b = len(verified)
+            if verify_s + draft_s > 0:  # tokens per second, as a multiple of the profile's plain rate
+                rate = (b + sum(accepted)) / (verify_s + draft_s)
+                self.guard.record(b, rate * self.cost.profiled(b, 1) / b, speculative=any(verified))
 
     def predicted_s(self) -> float | None:
         """The last round's predicted draft + verify seconds (None without a cost model)."""
         return self.last["draft_s"] + self.last["verify_s"] if "verify_s" in self.last else None
+
