@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from .config import EngineConfig
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Exact batch speculative decoding for Hugging Face causal LMs.")
 console = Console(stderr=True)
@@ -22,7 +24,7 @@ DRAFT = typer.Option(None, "--draft", help="Draft model sharing the target's tok
 DTYPE = typer.Option("auto", "--dtype", help="float32 (CPU default), bfloat16 (CUDA default), float16, float64")
 DEVICE = typer.Option("auto", "--device", help="cpu, cuda or cuda:N (default: cuda if available)")
 PROMPTS = typer.Option(None, "--prompts", help="JSONL prompt file (default: the bundled held-out prompts)")
-GAMMA = typer.Option(3, "--gamma", help="Draft tokens per round")
+GAMMA = typer.Option(EngineConfig.gamma, "--gamma", help="Draft tokens per round")
 MAX_NEW = typer.Option(128, "--max-new-tokens", help="Tokens to generate per prompt (exact cap)")
 TEMPERATURE = typer.Option(0.0, "--temperature", help="0 = greedy")
 TOP_K = typer.Option(0, "--top-k", help="0 = off")
@@ -32,13 +34,14 @@ WINDOW = typer.Option(None, "--window", help="exspec: sequences in flight (defau
 SORT = typer.Option(False, "--sort-by-length", help="Admit prompts shortest first")
 FORWARD = typer.Option("auto", "--forward", help="How models run: auto (batchspec's lean forward for Llama-family "
                                                 "models, transformers modules otherwise), lean, hf")
-DRAFTER = typer.Option("draft_model", "--drafter", help="draft_model (the draft model); ngram[:min_n,max_n,k] "
+DRAFTER = typer.Option(EngineConfig.drafter, "--drafter", help="draft_model (the draft model); ngram[:min_n,max_n,k] "
                                                         "(prompt lookup, no model); "
                                                         "suffix[:depth,k,min_prob,max_tokens] (suffix decoding over "
                                                         "this and earlier requests, no model); "
-                                                        "hybrid[:min_n,max_n,k] (ngram where it matches, the draft "
-                                                        "model elsewhere); oracle:<p> (synthetic, for overhead "
-                                                        "studies). See docs/drafters.md")
+                                                        "hybrid[:min_n,max_n,k] (the default: ngram where it "
+                                                        "matches, the draft model elsewhere while it pays); "
+                                                        "oracle:<p> (synthetic, for overhead studies). See "
+                                                        "docs/drafters.md")
 REFILL = typer.Option("continuous", "--refill", help="continuous: refill a finished row at the next round; none: "
                                                      "fixed batches as in the founding paper")
 MAX_KV = typer.Option(None, "--max-kv-tokens", help="KV budget per model in tokens, allocated once as one row per "
@@ -154,7 +157,6 @@ def generate(
 
     With --ray, `--workers` Ray actors share the prompts; outputs still come in input order, and
     --output ending in .parquet writes Parquet."""
-    from .config import EngineConfig
     from .engine import SpecEngine
     from .prompts import chat_token_ids
 
@@ -233,7 +235,6 @@ def verify(
 ):
     """Greedy: every method's output must equal target-only greedy decoding, token for token.
     With --temperature > 0: the first two sampled tokens must follow the target's exact distribution."""
-    from .config import EngineConfig
     from .drafters import drafter_needs_model
     from .models import load_pair
     from .sampling import SamplingParams
@@ -336,8 +337,8 @@ def bench(
     num_prompts: int = typer.Option(32, "--num-prompts"),
     methods: str = typer.Option("autoregressive,eqspec,exspec", "--methods"),
     batch_sizes: str = typer.Option("1,4,8,16,32", "--batch-sizes"),
-    gamma: str = typer.Option("3", "--gamma", help="Comma-separated γ values"),
-    drafters: str = typer.Option("draft_model", "--drafters", help="Comma-separated: draft_model, "
+    gamma: str = typer.Option(str(EngineConfig.gamma), "--gamma", help="Comma-separated γ values"),
+    drafters: str = typer.Option(EngineConfig.drafter, "--drafters", help="Comma-separated: draft_model, "
                                                                  "ngram[:min_n,max_n,k], "
                                                                  "suffix[:depth,k,min_prob,max_tokens], "
                                                                  "hybrid[:min_n,max_n,k], oracle:<p> (e.g. "
@@ -375,7 +376,6 @@ def bench(
     """Throughput, speed-ups, overhead anatomy and the analytic limit for a grid of settings."""
     from .bench import markdown_table, run_bench
     from .bench.report import scheduling_table
-    from .config import EngineConfig
     from .drafters import drafter_needs_model, parse_drafter, split_drafters
     from .models import load_pair
     from .prompts import apply_workload
@@ -463,7 +463,6 @@ def echo_workload(pair, ids: list[list[int]], counts: list[int], added: int) -> 
     """bench --workload echo: each prompt followed by the target's greedy answer (its own `count`
     tokens, autoregressive, untimed) and the prompt again without the `added` special tokens the
     tokenizer put in front (BOS)."""
-    from .config import EngineConfig
     from .engine import SpecEngine
     from .prompts import echo_ids
     from .sampling import SamplingParams
@@ -494,7 +493,6 @@ def serve(
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level (info logs every request)"),
 ):
     """Serve the engine over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
-    from .config import EngineConfig
     from .engine import SpecEngine
     from .server import serve as run_server
 

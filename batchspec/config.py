@@ -19,8 +19,9 @@ class EngineConfig:
     batch_size    rows verified together in one target forward pass.
     window        exspec only: sequences kept in flight (>= batch_size); default 4 x batch_size.
     sort_by_length  admit prompts shortest first (outputs still return in input order).
-    drafter       how drafts are proposed: "draft_model" (the draft model) or "oracle:<p>",
-                  a synthetic drafter for overhead studies (see batchspec.drafters.oracle).
+    drafter       how drafts are proposed (batchspec.drafters): "hybrid" (default: prompt lookup
+                  where it finds a match, the draft model elsewhere while it pays), "draft_model",
+                  "ngram", "suffix", or "oracle:<p>", a synthetic drafter for overhead studies.
     forward       how models run: "auto" (batchspec's lean forward for Llama-family models, the
                   transformers modules otherwise), "lean" (require it) or "hf" (always the modules);
                   see batchspec.core.forward.
@@ -47,11 +48,11 @@ class EngineConfig:
     """
 
     method: str = "eqspec"
-    gamma: int = 3
+    gamma: int = 4
     batch_size: int = 8
     window: int | None = None
     sort_by_length: bool = False
-    drafter: str = "draft_model"
+    drafter: str = "hybrid"
     forward: str = "auto"
     refill: str = "continuous"
     max_kv_tokens: int | None = None

@@ -119,7 +119,7 @@ def test_adaptive_and_budgets_keep_greedy_exact(method, options):
     ids = prompts(16, seed=7)
     refs = references(p, ids, 20)
     for bs in (1, 4, 16):
-        engine = SpecEngine(p, EngineConfig(method=method, batch_size=bs, gamma=4, **options))
+        engine = SpecEngine(p, EngineConfig(drafter="draft_model", method=method, batch_size=bs, gamma=4, **options))
         assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=20))] == refs
         decided = engine.stats.summary()["adaptive"]
         assert decided is not None and sum(decided["gamma_hist"].values()) == engine.stats.row_rounds

@@ -112,7 +112,7 @@ def test_every_method_and_batch_size_is_exact(arch, method):
     pair, ids, refs = workload(arch)
     ref_map = {tuple(i): r for i, r in zip(ids, refs)}
     for bs in (1, 3, 8):
-        config = EngineConfig(method=method, batch_size=bs, gamma=4, debug=True)
+        config = EngineConfig(drafter="draft_model", method=method, batch_size=bs, gamma=4, debug=True)
         engine = SpecEngine(pair, config)
         outs = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))
         assert [o.token_ids for o in outs] == refs, f"{arch} {method} bs={bs} draft model"
@@ -146,7 +146,8 @@ def test_longrope_regime_is_per_row():
 
 def test_alibi_is_refused_up_front():
     with pytest.raises(ValueError, match="ALiBi"):
-        SpecEngine(ModelPair(build("falcon-alibi"), None, None, VOCAB, ()), EngineConfig(method="autoregressive"))
+        SpecEngine(ModelPair(build("falcon-alibi"), None, None, VOCAB, ()), EngineConfig(drafter="draft_model",
+                                                                                         method="autoregressive"))
 
 
 def test_dynamic_ntk_rope_is_refused():
@@ -154,7 +155,8 @@ def test_dynamic_ntk_rope_is_refused():
     model = LlamaForCausalLM(LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                     "rope_theta": 10000.0})).eval()
     with pytest.raises(ValueError, match="dynamic NTK"):
-        SpecEngine(ModelPair(model, None, None, VOCAB, ()), EngineConfig(method="autoregressive"))
+        SpecEngine(ModelPair(model, None, None, VOCAB, ()), EngineConfig(drafter="draft_model",
+                                                                         method="autoregressive"))
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen2-sliding", "mistral-window", "phi3-longrope"])

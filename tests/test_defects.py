@@ -163,7 +163,8 @@ def test_an_engine_whose_model_was_moved_says_so():
     from batchspec import EngineConfig, ModelPair, SpecEngine
 
     model = make_model("llama", 64, 2, seed=0)
-    engine = SpecEngine(ModelPair(model, None, None, VOCAB, ()), EngineConfig(method="autoregressive"))
+    engine = SpecEngine(ModelPair(model, None, None, VOCAB, ()), EngineConfig(drafter="draft_model",
+                                                                              method="autoregressive"))
     model.to(torch.float64)
     with pytest.raises(RuntimeError, match="build a new engine"):
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))

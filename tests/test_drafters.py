@@ -280,7 +280,7 @@ def test_engine_uses_the_registry():
     assert engine.drafter.label == "ngram:2,4,10" and not engine.drafter.synthetic
     oracle = SpecEngine(with_draft, EngineConfig(drafter="oracle:0.5", max_kv_tokens=512))
     assert oracle.drafter.synthetic and oracle.draft_runner is not None  # runs the draft model for its cost
-    assert SpecEngine(with_draft, EngineConfig(max_kv_tokens=512)).drafter.label == "draft_model"
+    assert SpecEngine(with_draft, EngineConfig(max_kv_tokens=512)).drafter.label == "hybrid:2,4,10"  # the default
 
 
 def test_cli_model_free_drafter_needs_no_draft(tiny_dirs):

@@ -62,7 +62,8 @@ def test_greedy_tokens_equal_through_either_forward(arch):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     outs = {}
     for forward in ("hf", "lean"):
-        engine = SpecEngine(pair, EngineConfig(method="autoregressive", batch_size=5, forward=forward))
+        engine = SpecEngine(pair, EngineConfig(drafter="draft_model",
+                                               method="autoregressive", batch_size=5, forward=forward))
         outs[forward] = [o.token_ids for o in engine.generate(ids, params)]
     assert outs["lean"] == outs["hf"]
 
@@ -83,7 +84,7 @@ def test_forward_choice():
     with pytest.raises(ValueError, match="lean forward does not support"):
         make_forward(gpt2, "lean")
     with pytest.raises(ValueError, match="unknown forward"):
-        EngineConfig(forward="fast")
+        EngineConfig(drafter="draft_model", forward="fast")
     torch.manual_seed(0)
     windowed = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                                                 num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

@@ -27,7 +27,7 @@ from batchspec.ray.output import COLUMNS, OutputFile  # noqa: E402
 from batchspec.sampling import request_seed  # noqa: E402
 
 NUM_PROMPTS, MAX_NEW = 8, 16
-CONFIG = dict(method="eqspec", gamma=3, batch_size=4)
+CONFIG = dict(method="eqspec", gamma=3, batch_size=4, drafter="draft_model")  # per-request stats compared exactly
 
 
 class DiesOnce(BatchSpecPredictor):
@@ -98,6 +98,7 @@ def test_seeded_sampling_does_not_depend_on_sharding(local_ray, prompts, engine,
     path = tmp_path / "out.parquet"
     result = CliRunner().invoke(app, ["generate", "--ray", "local", "--workers", "2", "--cpus-per-worker", "1",
                                       "--rows-per-call", "3", "--num-prompts", str(NUM_PROMPTS), "--batch-size", "4",
+                                      "--gamma", "3", "--drafter", "draft_model",
                                       "--max-new-tokens", str(MAX_NEW), "--temperature", "0.8", "--top-p", "0.95",
                                       "--seed", "7", "--output", str(path), "--quiet"])
     assert result.exit_code == 0, result.output

@@ -52,7 +52,8 @@ def samples(sp: SamplingParams, method: str, batch_size: int, gamma: int, seed: 
     so that its first round drafts the full γ (a row drafts no more than it can still emit)."""
     target, draft = models()
     engine = SpecEngine(ModelPair(target, draft, None, V, ()),
-                        EngineConfig(method=method, batch_size=batch_size, gamma=gamma, **config))
+                        EngineConfig(drafter="draft_model",
+                                     method=method, batch_size=batch_size, gamma=gamma, **config))
     params = [SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, max_new_tokens=2 + gamma,
                              seed=request_seed(seed, i)) for i in range(N)]
     outs = engine.generate([PROMPT] * N, params)
@@ -94,7 +95,8 @@ def test_tetris_budget_sampling_matches_the_target():
 
 def test_acceptance_is_ragged_in_the_sampling_tests():
     target, draft = models()
-    engine = SpecEngine(ModelPair(target, draft, None, V, ()), EngineConfig(method="eqspec", batch_size=16, gamma=3))
+    engine = SpecEngine(ModelPair(target, draft, None, V, ()), EngineConfig(drafter="draft_model",
+                                                                            method="eqspec", batch_size=16, gamma=3))
     engine.generate([PROMPT] * 256, [SamplingParams(temperature=1.0, max_new_tokens=5, seed=i) for i in range(256)])
     hist = engine.stats.accept_hist
     assert hist[0] > 0 and hist[1] > 0 and 0.2 < engine.stats.accepted / engine.stats.drafted < 0.9
@@ -154,11 +156,12 @@ def test_seeded_output_does_not_depend_on_the_batch():
     pair = ModelPair(target, draft, None, V, ())
     mine = [SamplingParams(temperature=1.0, top_k=6, max_new_tokens=12, seed=100 + i) for i in range(6)]
     prompts = [PROMPT[: 1 + i % 5] for i in range(6)]
-    alone = [SpecEngine(pair, EngineConfig(method="eqspec", batch_size=1, gamma=3)).generate([p], [sp])[0].token_ids
+    alone = [SpecEngine(pair, EngineConfig(drafter="draft_model",
+                                           method="eqspec", batch_size=1, gamma=3)).generate([p], [sp])[0].token_ids
              for p, sp in zip(prompts, mine)]
     others = [SamplingParams(temperature=0.8, max_new_tokens=20, seed=7 + i) for i in range(10)]
     for method, bs in (("eqspec", 8), ("exspec", 4), ("exspec", 16)):
-        engine = SpecEngine(pair, EngineConfig(method=method, batch_size=bs, gamma=3))
+        engine = SpecEngine(pair, EngineConfig(drafter="draft_model", method=method, batch_size=bs, gamma=3))
         outs = engine.generate(prompts + [[2, 2, 2]] * 10, mine + others)
         assert [o.token_ids for o in outs[:6]] == alone, (method, bs)
     assert len({tuple(a) for a in alone}) > 1  # requests are not identical copies
@@ -168,7 +171,9 @@ def test_greedy_rows_stay_exact_next_to_sampled_rows():
     target, draft = models()
     pair = ModelPair(target, draft, None, V, ())
     greedy = SamplingParams(max_new_tokens=10)
-    ref = SpecEngine(pair, EngineConfig(method="autoregressive", batch_size=1)).generate([PROMPT], greedy)[0]
+    ref = SpecEngine(pair, EngineConfig(drafter="draft_model",
+                                        method="autoregressive", batch_size=1)).generate([PROMPT], greedy)[0]
     mixed = [greedy if i % 2 == 0 else SamplingParams(temperature=1.0, max_new_tokens=10, seed=i) for i in range(8)]
-    outs = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=8, gamma=3)).generate([PROMPT] * 8, mixed)
+    outs = SpecEngine(pair, EngineConfig(drafter="draft_model",
+                                         method="eqspec", batch_size=8, gamma=3)).generate([PROMPT] * 8, mixed)
     assert all(o.token_ids == ref.token_ids for o in outs[::2])

@@ -52,7 +52,7 @@ def assert_no_kv_held(engine: SpecEngine) -> None:
 @pytest.mark.parametrize("method", METHODS)
 def test_requests_arriving_at_random_rounds_match_the_reference(method):
     p, ids, refs = workload()
-    engine = SpecEngine(p, EngineConfig(method=method, batch_size=3, gamma=3, debug=True))
+    engine = SpecEngine(p, EngineConfig(drafter="draft_model", method=method, batch_size=3, gamma=3, debug=True))
     rng = random.Random(0)
     order = list(range(len(ids)))
     rng.shuffle(order)
@@ -76,10 +76,12 @@ def test_requests_arriving_at_random_rounds_match_the_reference(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_tight_kv_budget_and_chunked_prefill_stay_exact(method):
     p, ids, refs = workload()
-    engine = SpecEngine(p, EngineConfig(method=method, batch_size=4, gamma=3, max_prefill_tokens=24, debug=True))
+    engine = SpecEngine(p, EngineConfig(drafter="draft_model",
+                                        method=method, batch_size=4, gamma=3, max_prefill_tokens=24, debug=True))
     rows = engine.rows
     budget = rows * (60 + MAX_NEW + 3)  # rows just long enough for the longest request
-    engine = SpecEngine(p, EngineConfig(method=method, batch_size=4, gamma=3, max_kv_tokens=budget,
+    engine = SpecEngine(p, EngineConfig(drafter="draft_model",
+                                        method=method, batch_size=4, gamma=3, max_kv_tokens=budget,
                                         max_prefill_tokens=24, debug=True))
     assert engine.kv_tokens == budget and engine.row_capacity == 60 + MAX_NEW + 3
     outs = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))
@@ -91,7 +93,8 @@ def test_tight_kv_budget_and_chunked_prefill_stay_exact(method):
 
 def test_budget_too_small_for_a_request_is_refused_up_front():
     p, ids, _ = workload()
-    engine = SpecEngine(p, EngineConfig(method="eqspec", batch_size=2, gamma=3, max_kv_tokens=32))
+    engine = SpecEngine(p, EngineConfig(drafter="draft_model",
+                                        method="eqspec", batch_size=2, gamma=3, max_kv_tokens=32))
     with pytest.raises(ValueError, match="KV budget"):
         engine.generate([ids[1]], SamplingParams(max_new_tokens=MAX_NEW))  # 60-token prompt
     assert not engine.has_unfinished()
@@ -103,7 +106,8 @@ def test_continuous_refill_beats_fixed_batches_on_rounds():
     long_short = [SamplingParams(max_new_tokens=MAX_NEW if i % 4 == 0 else 2) for i in range(len(ids))]
     rounds = {}
     for refill in ("continuous", "none"):
-        engine = SpecEngine(p, EngineConfig(method="autoregressive", batch_size=4, refill=refill))
+        engine = SpecEngine(p, EngineConfig(drafter="draft_model",
+                                            method="autoregressive", batch_size=4, refill=refill))
         outs = engine.generate(ids, long_short)
         assert [o.token_ids for o in outs] == [r[: sp.max_new_tokens] for r, sp in zip(refs, long_short)]
         rounds[refill] = engine.stats.rounds
@@ -135,7 +139,7 @@ def test_fixed_batches_wait_for_the_whole_batch():
 
 def test_generate_keeps_requests_queued_earlier_and_the_stats():
     p, ids, refs = workload()
-    engine = SpecEngine(p, EngineConfig(method="eqspec", batch_size=4, gamma=3))
+    engine = SpecEngine(p, EngineConfig(drafter="draft_model", method="eqspec", batch_size=4, gamma=3))
     early = engine.add_request(ids[0], SamplingParams(max_new_tokens=MAX_NEW))
     outs = engine.generate(ids[1:5], SamplingParams(max_new_tokens=MAX_NEW))
     assert [o.token_ids for o in outs] == refs[1:5] and [o.index for o in outs] == [0, 1, 2, 3]
@@ -151,7 +155,7 @@ def test_generate_keeps_requests_queued_earlier_and_the_stats():
 
 def test_abort_from_another_thread_frees_both_models_kv():
     p, ids, refs = workload()
-    engine = SpecEngine(p, EngineConfig(method="eqspec", batch_size=4, gamma=3))
+    engine = SpecEngine(p, EngineConfig(drafter="draft_model", method="eqspec", batch_size=4, gamma=3))
     rids = [engine.add_request(i, SamplingParams(max_new_tokens=MAX_NEW)) for i in ids[:6]]
     engine.step()
     engine.step()
@@ -175,7 +179,7 @@ def test_abort_from_another_thread_frees_both_models_kv():
 
 def test_stream_iterator_and_early_close():
     p, ids, refs = workload()
-    engine = SpecEngine(p, EngineConfig(method="exspec", batch_size=2, gamma=3))
+    engine = SpecEngine(p, EngineConfig(drafter="draft_model", method="exspec", batch_size=2, gamma=3))
     pieces: dict[int, list[int]] = {}
     for out in engine.stream(ids[:4], SamplingParams(max_new_tokens=MAX_NEW)):
         pieces.setdefault(out.index, []).extend(out.new_token_ids)
@@ -202,9 +206,11 @@ def test_oracle_drafter_through_step():
 def test_seeded_samples_do_not_depend_on_arrival_or_company():
     p, ids, _ = workload()
     sp = SamplingParams(temperature=1.0, seed=1234, max_new_tokens=MAX_NEW)
-    alone = SpecEngine(p, EngineConfig(method="eqspec", batch_size=1, gamma=3)).generate([ids[2]], sp)[0].token_ids
+    alone = SpecEngine(p, EngineConfig(drafter="draft_model",
+                                       method="eqspec", batch_size=1, gamma=3)).generate([ids[2]], sp)[0].token_ids
     for method in ("eqspec", "exspec"):
-        engine = SpecEngine(p, EngineConfig(method=method, batch_size=4, gamma=3, max_prefill_tokens=16))
+        engine = SpecEngine(p, EngineConfig(drafter="draft_model",
+                                            method=method, batch_size=4, gamma=3, max_prefill_tokens=16))
         for k, other in enumerate(ids[5:12]):
             engine.add_request(other, SamplingParams(temperature=0.8, seed=k, max_new_tokens=MAX_NEW))
         engine.step()
@@ -237,7 +243,8 @@ class ServingMachine(RuleBasedStateMachine):
     @initialize(method=st.sampled_from(METHODS), prefill=st.sampled_from([2048, 16]))
     def build(self, method, prefill):
         self.p, self.ids, self.refs = workload()
-        self.engine = SpecEngine(self.p, EngineConfig(method=method, batch_size=3, gamma=3, max_prefill_tokens=prefill,
+        self.engine = SpecEngine(self.p, EngineConfig(drafter="draft_model",
+                                                      method=method, batch_size=3, gamma=3, max_prefill_tokens=prefill,
                                                       debug=True))
         self.expected: dict[int, list[int]] = {}
         self.tokens: dict[int, list[int]] = {}
@@ -295,7 +302,8 @@ def test_async_streams_and_cancellation():
     from batchspec.async_engine import AsyncEngine, QueueFull
 
     p, ids, refs = workload()
-    engine = AsyncEngine(SpecEngine(p, EngineConfig(method="eqspec", batch_size=4, gamma=3)), max_waiting=64)
+    engine = AsyncEngine(SpecEngine(p, EngineConfig(drafter="draft_model",
+                                                    method="eqspec", batch_size=4, gamma=3)), max_waiting=64)
 
     async def collect(i):
         toks = []

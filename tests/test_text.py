@@ -51,7 +51,7 @@ def test_held_text_is_released_when_it_cannot_start_a_stop(tok):
 @pytest.fixture(scope="module")
 def engine(tiny_dirs):
     pair = load_pair(tiny_dirs["target"], tiny_dirs["draft"])
-    return SpecEngine(pair, EngineConfig(method="eqspec", batch_size=4, gamma=3))
+    return SpecEngine(pair, EngineConfig(drafter="draft_model", method="eqspec", batch_size=4, gamma=3))
 
 
 def ascii_pair(text: str, start: int) -> str | None:
@@ -101,7 +101,7 @@ def test_streamed_text_adds_up_to_the_final_text(engine):
 def test_stop_strings_need_a_tokenizer():
     from tiny import pair
 
-    engine = SpecEngine(pair("llama"), EngineConfig(method="autoregressive"))
+    engine = SpecEngine(pair("llama"), EngineConfig(drafter="draft_model", method="autoregressive"))
     with pytest.raises(ValueError, match="tokenizer"):
         engine.add_request([1, 2, 3], SamplingParams(stop=("x",)))
     with pytest.raises(ValueError, match="non-empty"):

@@ -71,7 +71,7 @@ def prompts(n: int = 32, seed: int = 0, max_len: int = 60) -> list[list[int]]:
 
 
 def references(p: ModelPair, prompt_ids: list[list[int]], max_new: int) -> list[list[int]]:
-    eng = SpecEngine(p, EngineConfig(method="autoregressive", batch_size=1))
+    eng = SpecEngine(p, EngineConfig(drafter="draft_model", method="autoregressive", batch_size=1))
     sp = SamplingParams(max_new_tokens=max_new)
     return [eng.generate([ids], sp)[0].token_ids for ids in prompt_ids]
 

@@ -23,6 +23,9 @@ the rounds as a whole; otherwise the rows without a match are not drafted (an n-
 with a model round now and then to keep the measurement fresh (less often while it keeps
 failing). So on prompts the n-gram copies well, or at batch sizes where a draft step costs more
 than it brings, the hybrid falls back to its better part instead of paying for the worse one.
+The gate reads the clock, so it decides for greedy rows only (whose output it cannot change); a
+sampled row without a match always gets the draft model, so a seeded request draws the same text
+whatever the timing.
 """
 
 from __future__ import annotations
@@ -111,7 +114,9 @@ class HybridDrafter:
         rows = self._model_rows = [i for i, (f, c) in enumerate(zip(found, caps)) if c > 0 and not f]
         if rows and not self.gate.use():
             self.gate.skip()
-            rows = self._model_rows = []
+            # a sampled row keeps the model: its draws then depend on its own tokens and seed only,
+            # never on the clock, so a seeded request samples the same text every time
+            rows = self._model_rows = [i for i in rows if not reqs[i].params.greedy]
         if not rows:
             self._round = (start, 0.0, [len(f) for f in found])
             return DraftProposal(tokens, None, [len(f) for f in found])
