@@ -98,8 +98,7 @@ class HybridDrafter:
         self.label = "hybrid:" + ngram.label.partition(":")[2]
         self._model_rows: list[int] = []  # rows the draft model drafted for this round
         self.gate = ModelGate()
-        # this round: (start, model seconds or None when it is not to be measured, lengths)
-        self._round: tuple[float, float | None, list[int]] | None = None
+        self._round: tuple[float, float, list[int]] | None = None  # this round: (start, model seconds, lengths)
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         self.ngram.prefill(reqs, ends)  # the draft model catches up when it first drafts a row
@@ -120,10 +119,12 @@ class HybridDrafter:
         if not rows:
             self._round = (start, 0.0, [len(f) for f in found])
             return DraftProposal(tokens, None, [len(f) for f in found])
-        # a row the model first catches up on (its prompt, or a long n-gram stretch) costs a one-off
-        # that says nothing about later rounds: such a round does not feed the gate's model average
+        # what a row's catch-up (its prompt, or a stretch the n-gram drafted) costs is a one-off that
+        # says little about later rounds: the gate charges the model its drafting share of the time
+        # only, pro rata of the tokens fed (a row fed once normally has 1 or 2 tokens unseen)
         name = self.model.runner.name
-        catching_up = any(reqs[i].num_tokens - reqs[i].kv_len.get(name, 0) > 2 * (gamma + 1) for i in rows)
+        drafting = sum(caps[i] for i in rows)
+        catch_up = sum(max(0, reqs[i].num_tokens - reqs[i].kv_len.get(name, 0) - 2) for i in rows)
         model_start = time.perf_counter()
         sub = [reqs[i] for i in rows]  # a subsequence of a batch in slot order: still in slot order
         sub_caps = [caps[i] for i in rows]
@@ -140,7 +141,7 @@ class HybridDrafter:
         lengths = [len(f) for f in found]
         for i, c in zip(rows, sub_caps):
             lengths[i] = c
-        self._round = (start, None if catching_up else time.perf_counter() - model_start, lengths)
+        self._round = (start, (time.perf_counter() - model_start) * drafting / (drafting + catch_up), lengths)
         return DraftProposal(tokens, probs, lengths)
 
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:
@@ -152,10 +153,8 @@ class HybridDrafter:
         start, model_s, lengths = self._round
         self._round = None
         seconds = time.perf_counter() - start  # draft + verify of this round
-        if rows and model_s is None:  # a catch-up round: not representative of either average
-            return
         fed = len(reqs) + sum(lengths)
-        per_token = max(0.0, seconds - (model_s or 0.0)) / fed  # the verify pass's cost per token it fed
+        per_token = max(0.0, seconds - model_s) / fed  # the verify pass's cost per token it fed
         model = None
         if rows:  # what the model's rows gained, and what they cost: its steps and their verify share
             model = (sum(accepted[i] for i in rows), model_s + per_token * sum(lengths[i] for i in rows))
