@@ -187,3 +187,22 @@ def test_guard_stops_speculation_that_measures_slower_than_plain_rounds():
     assert any(explore)  # one speculative round after 16 plain ones
     observe(explore)  # still slower
     assert policy.guard.wait[policy.guard.bucket(8)] == 32 and policy.plan(alphas, caps) == [0] * 8
+
+
+def test_guard_measures_plain_rounds_when_the_plan_never_runs_one():
+    """Speculation that wins (1.5 tokens a row for 1.2 plain rounds' time) is checked against a
+    forced plain round after 16 speculative rounds, then after 32: the plain side gets measured
+    even in batches where some row always has a draft worth verifying."""
+    c = cost(draft=0.002, v1=0.020, v4=0.032)
+    policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
+    alphas, caps = [0.8] * 8, [3] * 8
+    plain_s = c.verify(8, 1)
+    forced = []
+    for i in range(60):
+        lengths = policy.plan(alphas, caps)
+        if any(lengths):
+            policy.observe([1] * 4 + [0] * 4, lengths, None, 1.2 * plain_s, 0.0)
+        else:
+            forced.append(i)
+            policy.observe([0] * 8, lengths, None, plain_s, 0.0)
+    assert forced == [16, 16 + 32 + 1]

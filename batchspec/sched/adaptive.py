@@ -137,6 +137,10 @@ class SpecGuard:
     Example, 32 rows: plain rounds run at 0.9 of the profile's plain rate (overheads), speculative
     rounds at 0.84 (1.3 tokens a row in 1.55 plain rounds' time) -> plain, exploring after 16
     plain rounds, then 32, 64, ...
+
+    The other way round too: a batch in which some row always has something worth verifying never
+    runs a plain round by itself, so after `explore_every` speculative rounds in a row one plain
+    round is run to measure that side, then after twice as many each time speculating still wins.
     """
 
     def __init__(self, weight: float = 0.2, explore_every: int = 16, max_wait: int = 512) -> None:
@@ -145,6 +149,8 @@ class SpecGuard:
         self.plain: dict[int, float] = {}  # bucket -> plain rounds' rate / profiled plain rate
         self.since: dict[int, int] = {}  # bucket -> plain rounds since its last speculative one
         self.wait: dict[int, int] = {}
+        self.spec_since: dict[int, int] = {}  # bucket -> speculative rounds since its last plain one
+        self.plain_wait: dict[int, int] = {}
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -155,7 +161,9 @@ class SpecGuard:
 
     def allows(self, rows: int) -> bool:
         k = self.bucket(rows)
-        return not self.loses(k) or self.since.get(k, 0) >= self.wait.get(k, self.explore_every)
+        if not self.loses(k):  # speculating wins or is unjudged: now and then a plain round to measure
+            return self.spec_since.get(k, 0) < self.plain_wait.get(k, self.explore_every)
+        return self.since.get(k, 0) >= self.wait.get(k, self.explore_every)
 
     def record(self, rows: int, rate: float, speculative: bool) -> None:
         """A round of `rows` rows delivered `rate` x the profile's plain tokens per second."""
@@ -163,8 +171,12 @@ class SpecGuard:
         avg = self.spec if speculative else self.plain
         avg[k] = rate if k not in avg else avg[k] + self.weight * (rate - avg[k])
         if not speculative:
-            self.since[k] = self.since.get(k, 0) + 1
+            checked = self.spec_since.get(k, 0) >= self.plain_wait.get(k, self.explore_every)
+            self.since[k], self.spec_since[k] = self.since.get(k, 0) + 1, 0
+            if checked and not self.loses(k):
+                self.plain_wait[k] = min(self.max_wait, 2 * self.plain_wait.get(k, self.explore_every))
             return
+        self.spec_since[k] = self.spec_since.get(k, 0) + 1
         explored = self.since.get(k, 0) >= self.wait.get(k, self.explore_every)
         self.since[k] = 0
         if not self.loses(k):
