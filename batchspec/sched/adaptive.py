@@ -302,9 +302,7 @@ class AdaptivePolicy:
             return self.draft_s(b, fed) + self.verify_s(b, total, len(fed))
 
         lengths, rate = best_budget(self._capped(gains), seconds, sum(weights), first_fed)
-        if rate < self.margin * sum(weights) / self.cost.verify(b, 1) or not self.guard.allows(b):
-            return [0] * b
-        return lengths
+        return lengths if rate >= self.margin * sum(weights) / self.cost.verify(b, 1) else [0] * b
 
     def prune(self, alphas: list[float], lengths: list[int], confidence: list[list[float] | None] | None,
               draft_spent_s: float, weights: list[float] | None = None) -> list[int]:
@@ -369,4 +367,3 @@ class AdaptivePolicy:
     def predicted_s(self) -> float | None:
         """The last round's predicted draft + verify seconds (None without a cost model)."""
         return self.last["draft_s"] + self.last["verify_s"] if "verify_s" in self.last else None
-
