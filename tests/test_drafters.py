@@ -543,3 +543,19 @@ def test_accepting_always_fails_the_same_test(monkeypatch):
     monkeypatch.setattr(round_module, "rejection_verify", accept_always)
     sp = SamplingParams(temperature=1.0)
     assert chi_square(ngram_samples(sp)[0], exact_joint(sp)) < 1e-6
+
+
+def test_a_seeded_sampled_request_does_not_depend_on_the_gate():
+    """The gate reads the clock, so it must not decide for sampled rows: with the draft model shut
+    off for greedy rows, a seeded request samples exactly what it samples with the model always on."""
+    pair, ids, _ = loopy()
+    params = [SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=request_seed(3, i)) for i in range(len(ids))]
+    outs = []
+    for gate in (ModelGate(explore_every=0), ModelGate(explore_every=10 ** 9)):
+        engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=2, gamma=3, drafter="hybrid"))
+        engine.drafter.gate = gate
+        if gate.explore_every:  # measured: the model never pays
+            gate.record(tokens=10, seconds=0.001, model=(0.0, 1.0))
+            assert not gate.use()
+        outs.append([o.token_ids for o in engine.generate(ids, params)])
+    assert outs[0] == outs[1]
