@@ -81,8 +81,38 @@ def lean_unsupported(model) -> str | None:
     return None
 
 
+SKINNY_TOKENS = 32  # at most this many tokens: `matmul` computes W @ x^T (see there)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T + bias, as `F.linear`, fast for a few tokens on a CPU.
+
+    Decoding feeds a linear 1 to ~32 tokens. On a CPU in float32, `F.linear` then runs a
+    matrix-vector product (one token) or a GEMM with a transposed, skinny operand, both far below
+    what the memory bus allows; W [out, in] @ x^T [in, M] reads the weight in its stored order and
+    runs 2-3x faster (measured on this project's machine over the bundled target's 33 matrices,
+    2 threads: 1 token 7.2 -> 3.1 ms, 2 tokens 9.8 -> 2.8, 8 tokens 7.7 -> 4.8, 32 tokens 12.2 ->
+    11.4; from 64 tokens on, `F.linear` is as fast or faster). One token is fed as two (the same
+    token twice, one column kept), which takes the GEMM path instead of the matrix-vector one.
+    bfloat16/float16 and other devices keep `F.linear` (their kernels do not have the problem).
+
+    Example: x [3, 384], weight [640, 384] -> mm(weight, x^T) [640, 3] -> its transpose [3, 640]."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not 0 < rows <= SKINNY_TOKENS:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        out = torch.mm(weight, torch.cat((flat, flat)).t())[:, :1]  # [out, 1] (a real copy: a stride-0 operand is slow)
+    else:
+        out = torch.mm(weight, flat.t())  # [out, rows]
+    out = out.t().contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def _linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)
+    return matmul(x, layer.weight, layer.bias)
 
 
 class _Fused:
@@ -111,7 +141,7 @@ class _Fused:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """All outputs side by side: [..., sum of out_features]."""
-        return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias)
 
 
 class _RMSNorm:
