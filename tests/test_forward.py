@@ -8,7 +8,7 @@ from tiny import VOCAB, make_model, prompts, run_rows
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from batchspec import EngineConfig, ModelPair, SamplingParams, SpecEngine
-from batchspec.core.forward import HFForward, LeanForward, lean_unsupported, make_forward
+from batchspec.core.forward import HFForward, LeanForward, lean_unsupported, make_forward, matmul
 from batchspec.core.runner import row_inputs
 
 
@@ -124,3 +124,19 @@ def test_packed_forward_equals_padded(arch, monkeypatch):
     for i, n in enumerate(lengths):
         torch.testing.assert_close(packed[0][i, :n], padded[0][i, :n], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed[1], padded[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (2, 24), (3, 1, 24), (2, 16, 24), (33, 24), (0, 24)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matmul_equals_linear(shape, bias):
+    """`matmul` (W @ x^T for a few tokens, one token fed twice) computes F.linear's numbers and shape,
+    on either side of its token threshold and for an empty input."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(*shape), torch.randn(40, 24)
+    b = torch.randn(40) if bias else None
+    out = matmul(x, weight, b)
+    expected = torch.nn.functional.linear(x, weight, b)
+    assert out.shape == expected.shape and out.is_contiguous()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(matmul(x.double(), weight.double()), torch.nn.functional.linear(x.double(),
+                                                                                              weight.double()))

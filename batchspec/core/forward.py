@@ -101,11 +101,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu" or x.dtype != torch.float32 or not 0 < rows <= SKINNY_TOKENS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    if rows == 1:
-        out = torch.mm(weight, torch.cat((flat, flat)).t())[:, :1]  # [out, 1] (a real copy: a stride-0 operand is slow)
-    else:
-        out = torch.mm(weight, flat.t())  # [out, rows]
-    out = out.t().contiguous()
+    cols = torch.cat((flat, flat)) if rows == 1 else flat  # a real copy: a stride-0 operand is slow again
+    out = torch.mm(weight, cols.t())[:, :rows].t().contiguous()  # [out, rows] -> [rows, out]
     if bias is not None:
         out += bias
     return out.view(*x.shape[:-1], weight.shape[0])
