@@ -491,6 +491,9 @@ def serve(
     served_model_name: str = typer.Option(None, "--served-model-name",
                                           help="Model id clients name (default: --target, or batchspec/default_pair)"),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level (info logs every request)"),
+    few_rows: int = typer.Option(2, "--single-thread-rows",
+                                 help="On a CPU, run rounds on one torch thread while at most this many requests "
+                                      "are in the engine, leaving the other cores to the HTTP side (0 = never)"),
 ):
     """Serve the engine over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
     from .engine import SpecEngine
@@ -504,6 +507,8 @@ def serve(
                               **engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive, budget))
         if max_waiting < 0:
             raise ValueError(f"--max-waiting must be >= 0, got {max_waiting}")
+        if few_rows < 0:
+            raise ValueError(f"--single-thread-rows must be >= 0, got {few_rows}")
         engine = SpecEngine.from_pretrained(target, draft, config, dtype=dtype, device=device)
     except ValueError as exc:
         fail(str(exc))
@@ -512,7 +517,7 @@ def serve(
                   f"{f', gamma {config.gamma}' if config.speculative else ''}) on http://{host}:{port}/v1"
                   f"{' with an API key' if api_key else ''}")
     run_server(engine, host=host, port=port, model_name=name, api_key=api_key, max_waiting=max_waiting,
-               log_level=log_level)
+               log_level=log_level, few_rows=few_rows)
 
 
 @app.command()

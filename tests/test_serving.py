@@ -338,3 +338,37 @@ def test_async_streams_and_cancellation():
         assert_no_kv_held(engine.engine)
     finally:
         engine.close()
+
+
+def test_few_requests_run_on_few_threads():
+    """`few_rows`: while at most that many requests are in, rounds run on `few_threads` torch
+    threads; more requests get every thread back; closing leaves the setting as it was found.
+    Output stays exact either way."""
+    import asyncio
+
+    import torch
+
+    from batchspec.async_engine import AsyncEngine
+
+    p, ids, refs = workload()
+    seen: list[tuple[int, int]] = []  # (requests in the engine, torch threads) per step
+    before = torch.get_num_threads()
+    engine = AsyncEngine(SpecEngine(p, EngineConfig(drafter="draft_model", batch_size=4, gamma=3)),
+                         few_rows=1, few_threads=1, on_step=lambda outs: seen.append(
+                             (len({o.index for o in outs}), torch.get_num_threads())))
+    torch.set_num_threads(2)  # the machine may have one core: give the test two threads to take away
+    engine.all_threads = 2
+
+    async def main():
+        one = await engine.generate(ids[0], SamplingParams(max_new_tokens=MAX_NEW))
+        many = await asyncio.gather(*(engine.generate(ids[i], SamplingParams(max_new_tokens=MAX_NEW))
+                                      for i in range(1, 5)))
+        return [one.token_ids] + [o.token_ids for o in many]
+
+    try:
+        assert asyncio.run(main()) == refs[:5]
+    finally:
+        engine.close()
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(before)
+    assert any(n == 1 and t == 1 for n, t in seen) and any(n > 1 and t == 2 for n, t in seen)

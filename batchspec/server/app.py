@@ -277,14 +277,16 @@ class BearerAuth:
 
 
 def create_app(engine: SpecEngine, *, model_name: str = "batchspec", api_key: str | None = None,
-               max_waiting: int | None = None) -> FastAPI:
+               max_waiting: int | None = None, few_rows: int = 0) -> FastAPI:
     """The FastAPI app over `engine`. Its loop thread starts with the app (lifespan) and stops with it;
-    `app.state.server` holds the handlers' state (`.engine` is the AsyncEngine once started)."""
+    `app.state.server` holds the handlers' state (`.engine` is the AsyncEngine once started).
+    few_rows: see `AsyncEngine` (one torch thread while at most that many requests are in)."""
     server = OpenAIServer(engine, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.engine = AsyncEngine(engine, max_waiting=max_waiting, on_step=server.metrics.on_step)
+        server.engine = AsyncEngine(engine, max_waiting=max_waiting, on_step=server.metrics.on_step,
+                                    few_rows=few_rows)
         try:
             yield
         finally:
@@ -335,9 +337,10 @@ def warm_up(engine: SpecEngine) -> None:
 
 
 def serve(engine: SpecEngine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "batchspec",
-          api_key: str | None = None, max_waiting: int | None = None, log_level: str = "warning") -> None:
+          api_key: str | None = None, max_waiting: int | None = None, log_level: str = "warning",
+          few_rows: int = 0) -> None:
     import uvicorn
 
     warm_up(engine)
-    app = create_app(engine, model_name=model_name, api_key=api_key, max_waiting=max_waiting)
+    app = create_app(engine, model_name=model_name, api_key=api_key, max_waiting=max_waiting, few_rows=few_rows)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level in ("info", "debug", "trace"))
