@@ -31,3 +31,9 @@ batchspec bench --methods eqspec,exspec --window 1x,4x --batch-sizes 4,8,16,32 -
 # Other γ at batch 8.
 batchspec bench --methods autoregressive,eqspec,exspec --batch-sizes 8 --gamma 2,4 --peers hf \
   --num-prompts 32 --max-new-tokens 64 --repeat 2 --json docs/results/bench_bs8_gamma.json
+
+# Adaptive against fixed γ, the default drafter, with the peers (wave 4), then every fixed γ.
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 4 --drafters hybrid \
+  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 2 --json docs/results/wave4_adaptive.json
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 1,2,3,4 --drafters hybrid \
+  --adaptive off,on --num-prompts 64 --max-new-tokens 32 --repeat 2 --json docs/results/wave4_gamma.json

@@ -326,13 +326,18 @@ def test_a_client_that_disconnects_has_its_request_aborted(served, stream):
     before = served.metrics()
     long = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 100, "temperature": 0, "ignore_eos": True,
             "stream": stream}
-    if stream:
-        with httpx.stream("POST", served.url + "/v1/completions", headers=auth(), json=long) as r:
-            assert next(r.iter_lines()).startswith("data: ")
-    else:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(served.url + "/v1/completions", headers=auth(), json=long, timeout=0.15)
-    served.wait_idle()
+    engine, real_step = served.engine, served.engine.step
+    engine.step = lambda: (time.sleep(0.01), real_step())[1]  # >= 20 rounds: still running when the client leaves
+    try:
+        if stream:
+            with httpx.stream("POST", served.url + "/v1/completions", headers=auth(), json=long) as r:
+                assert next(r.iter_lines()).startswith("data: ")
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(served.url + "/v1/completions", headers=auth(), json=long, timeout=0.1)
+        served.wait_idle()
+    finally:
+        del engine.step
     deadline = time.monotonic() + 5
     while counter(served.metrics(), "batchspec_requests_total", endpoint="completions", outcome="cancelled") == \
             counter(before, "batchspec_requests_total", endpoint="completions", outcome="cancelled"):

@@ -264,7 +264,7 @@ class LeanForward:
         With grouped KV heads (Hq = g * Hk) the g query heads of each KV head are folded into its
         query rows, q -> [B, Hk, g * n, D] (heads h = i * g + j, as transformers' repeat_kv pairs
         them), so one attention over the KV as it is replaces `enable_gqa`, which repeats K and V
-        g times on a CPU: 20-25 % less time at 8 rows of 5 tokens over 400 keys. Example, Hq 6,
+        g times on a CPU: 12-25 % less time at 8 rows of 5 tokens over 400 keys. Example, Hq 6,
         Hk 2, n 5: query heads 0-2 read KV head 0 as rows 0-14, heads 3-5 KV head 1."""
         b, hq, n, d = q.shape
         hk = keys.shape[1]
