@@ -82,6 +82,7 @@ def lean_unsupported(model) -> str | None:
 
 
 SKINNY_TOKENS = 32  # at most this many tokens: `matmul` computes W @ x^T (see there)
+FOLD_TOKENS = 32  # at most this many query tokens per row: `LeanForward._attend` folds GQA heads
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -251,9 +252,10 @@ class LeanForward:
 
     def _fold_mask(self, visible: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """The mask of `_attend`'s folded queries, built once per forward: [B, 1, n, T] ->
-        [B, 1, g * n, T], repeated for each of the g query heads that share a KV head."""
+        [B, 1, g * n, T], repeated for each of the g query heads that share a KV head (None when
+        `_attend` does not fold)."""
         group = self.heads[0] // self.heads[1]
-        if visible is None or group == 1:
+        if visible is None or group == 1 or n > FOLD_TOKENS:
             return visible
         b, _, _, width = visible.shape
         return visible.expand(b, group, n, width).reshape(b, 1, group * n, width)
@@ -264,12 +266,15 @@ class LeanForward:
         With grouped KV heads (Hq = g * Hk) the g query heads of each KV head are folded into its
         query rows, q -> [B, Hk, g * n, D] (heads h = i * g + j, as transformers' repeat_kv pairs
         them), so one attention over the KV as it is replaces `enable_gqa`, which repeats K and V
-        g times on a CPU: 12-25 % less time at 8 rows of 5 tokens over 400 keys. Example, Hq 6,
-        Hk 2, n 5: query heads 0-2 read KV head 0 as rows 0-14, heads 3-5 KV head 1."""
+        g times on a CPU: 12-25 % less time at 8 rows of 5 tokens over 400 keys. Only for a few
+        query tokens per row (decoding, verifying): from ~64 on (prefill) `enable_gqa` is as fast or
+        faster. Example, Hq 6, Hk 2, n 5: query heads 0-2 read KV head 0 as rows 0-14, heads 3-5
+        KV head 1."""
         b, hq, n, d = q.shape
         hk = keys.shape[1]
-        if hq == hk:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scaling)
+        if hq == hk or n > FOLD_TOKENS:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scaling,
+                                                  enable_gqa=hq != hk)
         out = F.scaled_dot_product_attention(q.reshape(b, hk, hq // hk * n, d), keys, values, attn_mask=folded,
                                              scale=self.scaling)
         return out.view(b, hq, n, d)
