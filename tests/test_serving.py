@@ -351,7 +351,7 @@ def test_few_requests_run_on_few_threads():
     from batchspec.async_engine import AsyncEngine
 
     p, ids, refs = workload()
-    seen: list[tuple[int, int]] = []  # (requests in the engine, torch threads) per step
+    seen: list[tuple[int, int]] = []  # (requests that advanced, torch threads) per step
     before = torch.get_num_threads()
     engine = AsyncEngine(SpecEngine(p, EngineConfig(drafter="draft_model", batch_size=4, gamma=3)),
                          few_rows=1, few_threads=1, on_step=lambda outs: seen.append(
