@@ -54,8 +54,9 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_step = on_step
-        self.few_rows, self.few_threads = few_rows, few_threads
-        self.all_threads = torch.get_num_threads()
+        # few threads for few requests: CPU engines only (the setting means nothing to a GPU's kernels)
+        self.few_rows = few_rows if torch.device(engine.device).type == "cpu" else 0
+        self.few_threads, self.all_threads = few_threads, torch.get_num_threads()
         self._streams: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -87,7 +88,7 @@ class AsyncEngine:
 
     def _set_threads(self) -> None:
         """Few torch threads while few requests are in the engine (see the module docstring)."""
-        if self.few_rows <= 0 or torch.device(self.engine.device).type != "cpu":
+        if self.few_rows <= 0:
             return
         rows = self.engine.num_running() + self.engine.num_waiting()
         want = self.few_threads if rows <= self.few_rows else self.all_threads
@@ -123,7 +124,7 @@ class AsyncEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join()
-        if self.few_rows > 0:  # the setting is process-wide: leave it as it was found
+        if self.few_rows > 0:  # per thread with OpenMP builds, process-wide with others: leave it as found
             torch.set_num_threads(self.all_threads)
         self._fail_all(RuntimeError("the engine was closed"))
 

@@ -131,3 +131,11 @@ def test_random_init_from_config(tiny_dirs):
     engine = SpecEngine(pair, EngineConfig(batch_size=2, gamma=2))
     outs = engine.generate(["def f():"], SamplingParams(max_new_tokens=4))
     assert len(outs[0].token_ids) == 4 or outs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("args,message", [(["--max-waiting", "-1"], "--max-waiting must be >= 0"),
+                                          (["--single-thread-rows", "-1"], "--single-thread-rows must be >= 0")])
+def test_cli_serve_refuses_bad_options_before_serving(tiny_dirs, args, message):
+    result = runner.invoke(app, ["serve", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output

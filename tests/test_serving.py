@@ -359,14 +359,15 @@ def test_few_requests_run_on_few_threads():
     torch.set_num_threads(2)  # the machine may have one core: give the test two threads to take away
     engine.all_threads = 2
 
-    async def main():
-        one = await engine.generate(ids[0], SamplingParams(max_new_tokens=MAX_NEW))
+    async def main():  # several requests first, one last: the engine ends on few threads
         many = await asyncio.gather(*(engine.generate(ids[i], SamplingParams(max_new_tokens=MAX_NEW))
-                                      for i in range(1, 5)))
-        return [one.token_ids] + [o.token_ids for o in many]
+                                      for i in range(4)))
+        one = await engine.generate(ids[4], SamplingParams(max_new_tokens=MAX_NEW))
+        return [o.token_ids for o in many] + [one.token_ids]
 
     try:
         assert asyncio.run(main()) == refs[:5]
+        assert seen[-1] == (1, 1)  # the last rounds ran on one thread
     finally:
         engine.close()
     assert torch.get_num_threads() == 2
