@@ -39,3 +39,5 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 -
   --adaptive off,on --num-prompts 64 --max-new-tokens 32 --repeat 2 --json docs/results/wave4_gamma.json
 batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --gamma 8 --drafters draft_model,ngram,suffix,hybrid \
   --workload echo --num-prompts 24 --max-new-tokens 64 --repeat 2 --json docs/results/wave4_drafters_echo.json
+batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,2,8,32 --num-prompts 32 --max-new-tokens 64 \
+  --json docs/results/verify_wave4.json
