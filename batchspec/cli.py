@@ -38,8 +38,9 @@ DRAFTER = typer.Option(EngineConfig.drafter, "--drafter", help="draft_model (the
                                                         "(prompt lookup, no model); "
                                                         "suffix[:depth,k,min_prob,max_tokens] (suffix decoding over "
                                                         "this and earlier requests, no model); "
-                                                        "hybrid[:min_n,max_n,k] (the default: ngram where it "
-                                                        "matches, the draft model elsewhere while it pays); "
+                                                        "hybrid[:suffix[:...]|ngram[:...]] (the default: "
+                                                        "suffix where it matches, the draft model elsewhere while "
+                                                        "it pays); "
                                                         "oracle:<p> (synthetic, for overhead studies). See "
                                                         "docs/drafters.md")
 REFILL = typer.Option("continuous", "--refill", help="continuous: refill a finished row at the next round; none: "
@@ -341,7 +342,7 @@ def bench(
     drafters: str = typer.Option(EngineConfig.drafter, "--drafters", help="Comma-separated: draft_model, "
                                                                  "ngram[:min_n,max_n,k], "
                                                                  "suffix[:depth,k,min_prob,max_tokens], "
-                                                                 "hybrid[:min_n,max_n,k], oracle:<p> (e.g. "
+                                                                 "hybrid[:suffix[:...]|ngram[:...]], oracle:<p> (e.g. "
                                                                  "draft_model,ngram:2,4,10,suffix; see "
                                                                  "docs/drafters.md)"),
     workload: str = typer.Option("plain", "--workload", help="plain: the prompts as read (the bundled ones unless "

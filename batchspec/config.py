@@ -19,7 +19,7 @@ class EngineConfig:
     batch_size    rows verified together in one target forward pass.
     window        exspec only: sequences kept in flight (>= batch_size); default 4 x batch_size.
     sort_by_length  admit prompts shortest first (outputs still return in input order).
-    drafter       how drafts are proposed (batchspec.drafters): "hybrid" (default: prompt lookup
+    drafter       how drafts are proposed (batchspec.drafters): "hybrid" (default: suffix lookup
                   where it finds a match, the draft model elsewhere while it pays), "draft_model",
                   "ngram", "suffix", or "oracle:<p>", a synthetic drafter for overhead studies.
     forward       how models run: "auto" (batchspec's lean forward for Llama-family models, the

@@ -31,6 +31,7 @@ from batchspec.drafters import (
     HybridDrafter,
     drafter_needs_model,
     drafter_uses_model,
+    hybrid,
     make_drafter,
     parse_drafter,
     split_drafters,
@@ -221,6 +222,9 @@ def test_suffix_shares_finished_requests_and_evicts_the_oldest():
     drafter.release(first)
     assert drafter.shared.tokens == 6
     assert propose(drafter, [request([E, B, C], 1)], 3) == [[D, E]]  # from the shared trie
+    sampled = request([E, B, C], 7)
+    sampled.params = SamplingParams(temperature=1.0, max_new_tokens=100)
+    assert propose(drafter, [sampled], 3) == [[]]  # a sampled row reads its own tokens only
     aborted = request([C, D, A, A, A, A], 2)
     aborted.finish_reason = FinishReason.ABORT
     drafter.release(aborted)
@@ -233,6 +237,10 @@ def test_suffix_shares_finished_requests_and_evicts_the_oldest():
     assert propose(drafter, [request([A, D, E], 5)], 3) == [[E, E]]
     drafter.shared.add([A] * 30)  # longer than the budget: only its newest 10 tokens are kept
     assert drafter.shared.tokens == 10 and node_counts(drafter.shared)[(A,)] == 10
+    hybrid_on_it = HybridDrafter(None, drafter)
+    hybrid_on_it.forget()  # a bench run starts from no history (what the requests in flight saw stays)
+    assert drafter.shared.tokens == 0 and drafter.shared.nodes == 1
+    assert propose(drafter, [request([A, D, E], 5)], 3) == [[]]
 
 
 def test_suffix_merges_own_and_shared_counts():
@@ -252,18 +260,21 @@ def test_registry_parses_and_refuses_clearly():
     assert parse_drafter("ngram") == ("ngram", (2, 4, 10))
     assert parse_drafter("ngram:1,3") == ("ngram", (1, 3, 10))
     assert parse_drafter("suffix:8,4,0.5,100") == ("suffix", (8, 4, 0.5, 100))
-    assert parse_drafter("hybrid")[1][0] == 2
+    assert parse_drafter("hybrid") == ("hybrid", parse_drafter(hybrid.LOOKUP))  # built on the default lookup
+    assert parse_drafter("hybrid:ngram:1,3") == parse_drafter("hybrid:1,3") == ("hybrid", ("ngram", (1, 3, 10)))
+    assert parse_drafter("hybrid:suffix:8,4") == ("hybrid", ("suffix", (8, 4, 0.25, 1 << 16)))
     for spec, message in [("ngram:3,2", "min_n <= max_n"), ("ngram:x", "ngram:2,4,10"),
                           ("ngram:1,2,3,4", "ngram\\[:min_n,max_n,k\\]"), ("suffix:4,4", "depth > k"),
                           ("suffix:8,4,2", "min_prob in \\[0, 1\\]"), ("draft_model:1", "takes no arguments"),
-                          ("oracle", "oracle:0.7"), ("beam", "choose one of draft_model, ngram")]:
+                          ("oracle", "oracle:0.7"), ("beam", "choose one of draft_model, ngram"),
+                          ("hybrid:draft_model", "built on one of ngram, suffix"), ("hybrid:suffix:4,4", "depth > k")]:
         with pytest.raises(ValueError, match=message):
             parse_drafter(spec)
     assert [drafter_needs_model(s) for s in ("draft_model", "ngram", "suffix", "hybrid", "oracle:1")] == \
         [True, False, False, True, False]
     assert [drafter_uses_model(s) for s in ("ngram", "suffix", "oracle:1")] == [False, False, True]
-    assert split_drafters("draft_model,ngram:2,4,10,suffix, oracle:0.5") == \
-        ["draft_model", "ngram:2,4,10", "suffix", "oracle:0.5"]
+    assert split_drafters("draft_model,ngram:2,4,10,suffix, oracle:0.5,hybrid:ngram:2,3,hybrid:suffix") == \
+        ["draft_model", "ngram:2,4,10", "suffix", "oracle:0.5", "hybrid:ngram:2,3", "hybrid:suffix"]
     assert make_drafter("ngram:1,2,3", draft_runner=None, device=CPU, vocab_size=8).label == "ngram:1,2,3"
     with pytest.raises(ValueError, match="needs a draft model"):
         make_drafter("hybrid", draft_runner=None, device=CPU, vocab_size=8)
@@ -280,7 +291,8 @@ def test_engine_uses_the_registry():
     assert engine.drafter.label == "ngram:2,4,10" and not engine.drafter.synthetic
     oracle = SpecEngine(with_draft, EngineConfig(drafter="oracle:0.5", max_kv_tokens=512))
     assert oracle.drafter.synthetic and oracle.draft_runner is not None  # runs the draft model for its cost
-    assert SpecEngine(with_draft, EngineConfig(max_kv_tokens=512)).drafter.label == "hybrid:2,4,10"  # the default
+    assert SpecEngine(with_draft, EngineConfig(max_kv_tokens=512)).drafter.label == \
+        "hybrid:" + make_drafter(hybrid.LOOKUP, draft_runner=None, device=CPU, vocab_size=8).label  # the default
 
 
 def test_cli_model_free_drafter_needs_no_draft(tiny_dirs):
@@ -409,7 +421,7 @@ class Recorder:
         self.inner.release(req)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "suffix", "hybrid", "ngram:1,3,3"])
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "hybrid:ngram", "hybrid:suffix", "ngram:1,3,3"])
 def test_greedy_output_is_exact(drafter):
     pair, ids, refs = loopy()
     if not drafter_uses_model(drafter):
@@ -425,7 +437,7 @@ def test_greedy_output_is_exact(drafter):
     assert hist[0] > 0 and hist[3] + hist[4] > 0  # ragged: some rows reject at once, others accept several
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "hybrid"])
+@pytest.mark.parametrize("drafter", ["ngram", "hybrid:ngram", "hybrid:suffix"])
 def test_greedy_output_is_exact_with_adaptive_lengths_and_budgets(drafter):
     pair, ids, refs = loopy()
     if not drafter_uses_model(drafter):
@@ -515,6 +527,12 @@ def test_ngram_sampling_matches_the_target(sp):
     assert chi_square(draws, exact_joint(sp)) > 1e-4
     hist = engine.stats.accept_hist  # the point masses are accepted sometimes, and rejected sometimes
     assert engine.stats.drafted > engine.stats.accepted > 0 and hist[0] > 0 and hist[1] + hist[2] + hist[3] > 0
+
+
+def test_suffix_sampling_matches_the_target():
+    draws, engine = ngram_samples(SamplingParams(temperature=1.0), drafter="suffix")
+    assert chi_square(draws, exact_joint(SamplingParams(temperature=1.0))) > 1e-4
+    assert engine.stats.drafted > engine.stats.accepted > 0 and engine.stats.accept_hist[0] > 0
 
 
 def test_hybrid_sampling_matches_the_target():

@@ -4,6 +4,8 @@ For every cell (method x batch size x γ x drafter, plus the transformers peers)
 seeded workload is generated after an untimed warm-up; `--repeat` rounds are interleaved
 (cells in forward order, then reverse, A B B A ...) so a machine whose speed drifts favours no
 one, and medians are reported. Ratios are always between cells measured in the same run.
+A drafter that learns across requests (suffix's shared trie) forgets before each run: otherwise
+a repeat would draft from the answers of the same prompts in the run before it.
 """
 
 from __future__ import annotations
@@ -148,6 +150,8 @@ class Bench:
                 stats = None
             else:
                 engine = self.engine(cell)
+                if engine.drafter is not None:  # each run starts from the same history (see module doc)
+                    engine.drafter.forget()
                 results = engine.generate(prompts, params, references=self.references)
                 run = engine.last_run
                 outs, seconds, stats = [o.token_ids for o in results], run.wall, run.summary()

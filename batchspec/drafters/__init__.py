@@ -102,10 +102,28 @@ def _build_oracle(prob: float, ctx: BuildContext) -> Drafter:
                          ctx.vocab_size, ctx.device, cost, label, ctx.compute_reference)
 
 
-def _build_hybrid(args: tuple, ctx: BuildContext) -> Drafter:
+LOOKUPS = ("ngram", "suffix")  # the model-free drafters a hybrid can be built on
+
+
+def _hybrid_args(arg: str, spec: str) -> tuple[str, Any]:
+    """'' -> the default lookup; 'suffix:16' or 'ngram:2,4' -> that lookup's spec and options;
+    '2,4,10' -> ngram with those numbers (the older form)."""
+    if not arg:
+        arg = hybrid.LOOKUP
+    elif arg[0].isdigit():
+        arg = f"ngram:{arg}"
+    name = arg.partition(":")[0]
+    if name not in LOOKUPS:
+        raise ValueError(f"drafter {spec!r}: a hybrid is built on one of {', '.join(LOOKUPS)}, e.g. "
+                         f"hybrid:ngram:2,4,10 or hybrid:suffix")
+    return name, parse_drafter(arg)[1]
+
+
+def _build_hybrid(args: tuple[str, Any], ctx: BuildContext) -> Drafter:
     if ctx.draft_runner is None:
         raise ValueError("drafter 'hybrid' needs a draft model; pass --draft or choose ngram or suffix")
-    return HybridDrafter(DraftModelDrafter(ctx.draft_runner), NgramDrafter(ctx.device, *args))
+    name, options = args
+    return HybridDrafter(DraftModelDrafter(ctx.draft_runner), REGISTRY[name].build(options, ctx))
 
 
 REGISTRY: dict[str, DrafterSpec] = {
@@ -119,11 +137,9 @@ REGISTRY: dict[str, DrafterSpec] = {
     "suffix": DrafterSpec("suffix[:depth,k,min_prob,max_tokens]",
                           "suffix decoding, no model: most frequent continuation over this and earlier requests",
                           _suffix_args, lambda args, ctx: SuffixDrafter(ctx.device, *args), "unused"),
-    "hybrid": DrafterSpec("hybrid[:min_n,max_n,k]",
-                          f"ngram for rows whose newest min_n tokens occurred before, the draft model for the "
-                          f"others (default {hybrid.MIN_N},{ngram.MAX_N},{ngram.K})",
-                          _ngram_args((hybrid.MIN_N, ngram.MAX_N, ngram.K), "hybrid[:min_n,max_n,k]"), _build_hybrid,
-                          "required"),
+    "hybrid": DrafterSpec("hybrid[:suffix[:...]|ngram[:...]]",
+                          f"{hybrid.LOOKUP} where it has a confident match, the draft model for the other rows "
+                          f"while it pays (default hybrid:{hybrid.LOOKUP})", _hybrid_args, _build_hybrid, "required"),
     "oracle": DrafterSpec("oracle:<p>", "synthetic, knows the target's output: for overhead studies",
                           _oracle_prob, _build_oracle, "optional", synthetic=True),
 }

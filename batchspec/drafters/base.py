@@ -41,3 +41,7 @@ class Drafter(Protocol):
 
     def release(self, req: Request) -> None:
         """The request left the engine."""
+
+    def forget(self) -> None:
+        """Drop what finished requests taught the drafter (the suffix drafter's shared trie), so a
+        benchmark's repeats each start from the same history; requests in flight are untouched."""

@@ -1,17 +1,19 @@
-"""Hybrid drafting (`--drafter hybrid[:min_n,max_n,k]`): prompt lookup where it finds a match, the
-draft model elsewhere, decided per row and per round.
+"""Hybrid drafting (`--drafter hybrid[:suffix[:...]|ngram[:...]]`): a model-free lookup where it
+has a confident match, the draft model elsewhere, decided per row and per round.
 
-A row whose newest min_n tokens (default 2, as `ngram`) occurred earlier gets the n-gram proposal
-(see ngram.py), so the hybrid proposes at least what `ngram` does. The draft model runs only on
-the other rows, in slot order, as a sub-batch. Its bookkeeping stays exact across rounds in
-which a row was drafted by n-gram: such a row's draft KV simply lags, and the next time the draft
-model drafts for it, it first feeds the tokens it has not seen (`DraftModelDrafter` computes them
-from the row's committed draft length), then commits u + min(a, n - 1) as always (n: the tokens
-it drafted for the row). The draft model's prefill is lazy for the same reason: a prompt enters
-the draft KV the first time the model drafts for its row, so a request the n-gram serves alone
-never costs a draft forward.
+The lookup is `suffix` by default (suffix.py: the request's own tokens and, for greedy rows,
+earlier requests' outputs) or `ngram` (ngram.py), with its own options: `hybrid:ngram:2,4,10`,
+`hybrid:suffix:20,8,0.25` (the older `hybrid:2,4,10` means ngram). A row the lookup proposes
+something for gets that proposal, so the hybrid proposes at least what its lookup does. The draft
+model runs only on the other rows, in slot order, as a sub-batch. Its bookkeeping stays exact
+across rounds in which a row was drafted by the lookup: such a row's draft KV simply lags, and the
+next time the draft model drafts for it, it first feeds the tokens it has not seen
+(`DraftModelDrafter` computes them from the row's committed draft length), then commits
+u + min(a, n - 1) as always (n: the tokens it drafted for the row). The draft model's prefill is
+lazy for the same reason: a prompt enters the draft KV the first time the model drafts for its
+row, so a request the lookup serves alone never costs a draft forward.
 
-Example, γ = 3, rows r0 r1 r2, r1 with a 2-token n-gram proposal:
+Example, γ = 3, rows r0 r1 r2, r1 with a 2-token lookup proposal:
     draft model on [r0, r2]      tokens [2, 3] and, when sampling, q [2, 3, V]
     proposal tokens [3, 3]       rows r0, r2 from the model; r1 = its 2 tokens + 1 padding
              lengths [3, 2, 3]   q [3, 3, V]: r1's rows one-hot at its tokens (point masses)
@@ -19,9 +21,9 @@ Example, γ = 3, rows r0 r1 r2, r1 with a 2-token n-gram proposal:
 
 The draft model runs only while it earns its time (`ModelGate`): the tokens it gets accepted per
 second it costs (its steps plus its share of the verify pass) must reach the tokens per second of
-the rounds as a whole; otherwise the rows without a match are not drafted (an n-gram-only round),
+the rounds as a whole; otherwise the rows without a match are not drafted (a lookup-only round),
 with a model round now and then to keep the measurement fresh (less often while it keeps
-failing). So on prompts the n-gram copies well, or at batch sizes where a draft step costs more
+failing). So on prompts the lookup copies well, or at batch sizes where a draft step costs more
 than it brings, the hybrid falls back to its better part instead of paying for the worse one.
 The gate reads the clock, so it decides for greedy rows only (whose output it cannot change); a
 sampled row without a match always gets the draft model, so a seeded request draws the same text
@@ -38,9 +40,9 @@ from ..core.request import Request
 from ..sampling import BatchSampling
 from .base import DraftProposal
 from .model import DraftModelDrafter
-from .ngram import NgramDrafter
+from .ngram import LookupDrafter
 
-MIN_N = 2
+LOOKUP = "suffix"  # what `--drafter hybrid` is built on
 
 
 class ModelGate:
@@ -93,21 +95,21 @@ class ModelGate:
 class HybridDrafter:
     synthetic = False
 
-    def __init__(self, model: DraftModelDrafter, ngram: NgramDrafter) -> None:
-        self.model, self.ngram = model, ngram
-        self.label = "hybrid:" + ngram.label.partition(":")[2]
+    def __init__(self, model: DraftModelDrafter, lookup: LookupDrafter) -> None:
+        self.model, self.lookup = model, lookup
+        self.label = "hybrid:" + lookup.label
         self._model_rows: list[int] = []  # rows the draft model drafted for this round
         self.gate = ModelGate()
         self._round: tuple[float, float, list[int]] | None = None  # this round: (start, model seconds, lengths)
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
-        self.ngram.prefill(reqs, ends)  # the draft model catches up when it first drafts a row
+        self.lookup.prefill(reqs, ends)  # the draft model catches up when it first drafts a row
 
     def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
                 sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
         start = time.perf_counter()
         caps = lengths if lengths is not None else [gamma] * len(reqs)
-        found = [self.ngram.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)]
+        found = [self.lookup.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)]
         device = self.model.runner.device
         tokens = torch.tensor([f + [0] * (gamma - len(f)) for f in found], dtype=torch.long, device=device)
         rows = self._model_rows = [i for i, (f, c) in enumerate(zip(found, caps)) if c > 0 and not f]
@@ -162,5 +164,8 @@ class HybridDrafter:
 
     def release(self, req: Request) -> None:
         self.model.release(req)
-        self.ngram.release(req)
+        self.lookup.release(req)
+
+    def forget(self) -> None:
+        self.lookup.forget()
 

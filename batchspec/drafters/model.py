@@ -78,3 +78,6 @@ class DraftModelDrafter:
 
     def release(self, req: Request) -> None:
         self.runner.release(req)
+
+    def forget(self) -> None:
+        pass  # nothing is learned across requests

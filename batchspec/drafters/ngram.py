@@ -105,6 +105,9 @@ class LookupDrafter:
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:
         pass
 
+    def forget(self) -> None:
+        pass  # by default a lookup reads the request alone
+
 
 class NgramDrafter(LookupDrafter):
 

@@ -92,6 +92,9 @@ class OracleDrafter:
         if self.cost_model is not None:
             self.cost_model.observe(reqs, accepted)
 
+    def forget(self) -> None:
+        pass  # the references are the task, not history
+
     def release(self, req: Request) -> None:
         self._rounds.pop(req.index, None)
         if self.cost_model is not None:

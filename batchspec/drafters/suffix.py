@@ -26,7 +26,10 @@ Worked example, depth 6, k 2, γ 2, own tokens  a b c a b c a b d a b  (no share
     min_prob 0.5 -> [c, a];  min_prob 0.7 -> nothing
 
 Proposals are point masses, so sampling stays exact. Everything is deterministic: the same
-requests finishing in the same order give the same proposals.
+requests finishing in the same order give the same proposals. Only greedy rows read the shared
+trie: a sampled row's draws depend on its proposals (not in distribution, but in which sample a
+seed gives), so a seeded request drafts from its own tokens alone and samples the same text
+whatever other requests did before it.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ class SuffixDrafter(LookupDrafter):
         self.device, self.depth, self.k, self.min_prob = device, depth, k, min_prob
         self.label = f"suffix:{depth},{k},{min_prob:g},{max_tokens}"
         self.shared = SharedTrie(depth, max_tokens)
+        self.max_tokens = max_tokens
         self._tries: dict[int, RequestTrie] = {}  # request id -> its own trie
 
     def trie(self, req: Request) -> RequestTrie:
@@ -81,7 +85,8 @@ class SuffixDrafter(LookupDrafter):
 
     def find(self, req: Request, limit: int) -> tuple[list[int], int]:
         """(proposed tokens, match length m) for one request; ([], 0) without a match."""
-        tokens, own, shared = req.token_ids, self.trie(req), self.shared
+        tokens, own = req.token_ids, self.trie(req)
+        shared = self.shared if req.params.greedy else None  # a sampled row reads its own tokens only
         own.extend(tokens)
         limit = min(self.k, limit)
         longest = min(self.depth - limit, len(tokens))
@@ -89,14 +94,14 @@ class SuffixDrafter(LookupDrafter):
         m = next((m for m in range(min(longest, len(own.active)), shortest, -1)
                   if own.kids[own.active[m - 1]] is not None), 0)
         found = None
-        for n in range(longest, max(m, shortest), -1):  # a longer match in the shared trie?
+        for n in range(longest, max(m, shortest), -1) if shared is not None else ():  # longer in the shared trie?
             node = shared.find(tokens[len(tokens) - n:])
             if node is not None and shared.kids[node] is not None:
                 m, found = n, node
                 break
         if m == 0:
             return [], 0
-        if found is None:
+        if found is None and shared is not None:
             found = shared.find(tokens[len(tokens) - m:])
         at = [(own, own.active[m - 1])]  # (m <= D - 1 and <= len(tokens): the node exists)
         if found is not None:
@@ -106,6 +111,9 @@ class SuffixDrafter(LookupDrafter):
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         for r, e in zip(reqs, ends):
             self.trie(r).extend(r.token_ids, e)
+
+    def forget(self) -> None:
+        self.shared = SharedTrie(self.depth, self.max_tokens)
 
     def release(self, req: Request) -> None:
         self._tries.pop(req.index, None)
