@@ -348,7 +348,9 @@ def bench(
     workload: str = typer.Option("plain", "--workload", help="plain: the prompts as read (the bundled ones unless "
                                                              "--prompts); repetitive: each prompt's text twice; "
                                                              "echo: prompt + the target's greedy answer + the "
-                                                             "prompt again (the answer is in context to copy)"),
+                                                             "prompt again (the answer is in context to copy); "
+                                                             "twice: every prompt sent twice, the whole list "
+                                                             "then again (earlier requests hold the answer)"),
     max_new_tokens: str = typer.Option("128", "--max-new-tokens", help="Tokens per prompt: N, or LO-HI for a seeded "
                                                                          "uniform draw per prompt (a mixed workload)"),
     refill: str = typer.Option("continuous", "--refill", help="Comma-separated: continuous, none (the paper's fixed "

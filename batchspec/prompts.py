@@ -66,6 +66,17 @@ def repetitive_prompts(prompts: list[str]) -> list[str]:
     return [p + p if p.endswith("\n") else f"{p}\n{p}" for p in prompts]
 
 
+def sent_twice(prompts: list[str]) -> list[str]:
+    """The whole list, then the whole list again: by the time a prompt's second copy runs, its first
+    has usually finished (unless the batch holds both), so a drafter that remembers earlier
+    requests (suffix's shared trie) has seen the answer, as with a retry or a popular question.
+
+    >>> sent_twice(["a", "b"])
+    ['a', 'b', 'a', 'b']
+    """
+    return list(prompts) + list(prompts)
+
+
 def echo_ids(prompt: list[int], answer: list[int], again: list[int]) -> list[int]:
     """A prompt, the target's own answer to it, then the prompt again (`again`: its ids without the
     BOS). The model is asked a question it has just answered, as in a retry, a regeneration or an
@@ -80,7 +91,7 @@ def echo_ids(prompt: list[int], answer: list[int], again: list[int]) -> list[int
 # bench --workload: name -> how the prompts read from the file (the bundled ones by default) are sent.
 # "echo" is built from token ids and the target's answers (see `echo_ids`), so it is listed here with
 # no text transform and completed by the bench command.
-WORKLOADS = {"plain": list, "repetitive": repetitive_prompts, "echo": list}
+WORKLOADS = {"plain": list, "repetitive": repetitive_prompts, "echo": list, "twice": sent_twice}
 
 
 def apply_workload(name: str, prompts: list[str]) -> list[str]:

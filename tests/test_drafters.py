@@ -312,8 +312,9 @@ def test_cli_model_free_drafter_needs_no_draft(tiny_dirs):
 def test_repetitive_workload():
     assert repetitive_prompts(["def f():\n", "x = 1"]) == ["def f():\ndef f():\n", "x = 1\nx = 1"]
     assert apply_workload("plain", ["a"]) == ["a"]
-    with pytest.raises(ValueError, match="plain, repetitive, echo"):
-        apply_workload("twice", ["a"])
+    assert apply_workload("twice", ["a", "b"]) == ["a", "b", "a", "b"]
+    with pytest.raises(ValueError, match="plain, repetitive, echo, twice"):
+        apply_workload("thrice", ["a"])
     assert echo_ids([2, 7, 8], [9, 10], [7, 8]) == [2, 7, 8, 9, 10, 7, 8]
 
 
