@@ -486,3 +486,20 @@ def test_loadtest_command_reports_json(served, tmp_path):
         assert report[key] is not None and report[key] > 0, key
     for i, text in zip(report["prompt_indices"], report["generated_texts"]):
         assert text == served.reference(PROMPTS[i], 6).text
+
+
+def test_timed_requests_start_after_the_warm_up_prompts(monkeypatch):
+    """Timed request i uses prompt (W + i) mod P: a server that remembers the warm-up's answers
+    (suffix drafting) meets those prompts again only when the timed requests outnumber the rest."""
+    import asyncio
+
+    from batchspec.server import loadtest
+
+    async def fake(client, model, prompt, index, **kw):
+        return loadtest.RequestResult(index, ok=True, text=prompt)
+
+    monkeypatch.setattr(loadtest, "one_request", fake)
+    prompts = [f"p{k}" for k in range(5)]
+    results = asyncio.run(loadtest._wave(None, "m", prompts, 6, 3, first=3))
+    assert [r.prompt_index for r in results] == [3, 4, 0, 1, 2, 3]
+    assert [r.text for r in results] == ["p3", "p4", "p0", "p1", "p2", "p3"]

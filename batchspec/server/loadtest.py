@@ -2,8 +2,10 @@
 report what its users feel.
 
 N workers (the concurrency) each send one request at a time until M requests have been sent
-(a closed loop, as `vllm bench serve --max-concurrency` does); request i uses prompt i mod P. An
-untimed warm-up wave goes first. Per request it records:
+(a closed loop, as `vllm bench serve --max-concurrency` does). An untimed warm-up wave of W
+requests goes first, on prompts 0..W-1; timed request i then uses prompt (W + i) mod P, so a
+server that remembers earlier requests (a prefix cache, suffix drafting) meets a prompt again only
+when the timed requests outnumber the P - W prompts the warm-up left unused. Per request it records:
 
     e2el   end-to-end latency, from sending to the last byte
     ttft   time to first token: to the first chunk with text (streaming only)
@@ -109,13 +111,16 @@ def _take_usage(result: RequestResult, usage, chunks: int = 0) -> None:
         result.output_tokens, result.usage_missing = chunks, True
 
 
-async def _wave(client, model: str, prompts: list[str], count: int, concurrency: int, **kw) -> list[RequestResult]:
+async def _wave(client, model: str, prompts: list[str], count: int, concurrency: int, first: int = 0,
+                **kw) -> list[RequestResult]:
+    """`count` requests, request i on prompt (first + i) mod P, `concurrency` at a time."""
     results: list[RequestResult | None] = [None] * count
     next_index = iter(range(count))
 
     async def worker() -> None:
         for i in next_index:  # shared: each index is taken by exactly one worker
-            results[i] = await one_request(client, model, prompts[i % len(prompts)], i % len(prompts), **kw)
+            k = (first + i) % len(prompts)
+            results[i] = await one_request(client, model, prompts[k], k, **kw)
 
     await asyncio.gather(*(worker() for _ in range(min(concurrency, count))))
     return results
@@ -143,7 +148,7 @@ async def run_loadtest(url: str, prompts: list[str], *, concurrency: int, reques
         if warmup:
             await _wave(client, model, prompts, warmup, concurrency, **kw)
         start = time.perf_counter()
-        results = await _wave(client, model, prompts, requests, concurrency, **kw)
+        results = await _wave(client, model, prompts, requests, concurrency, first=warmup, **kw)
         duration = time.perf_counter() - start
     config = dict(url=url, model=model, endpoint="chat/completions" if chat else "completions", stream=stream,
                   max_concurrency=concurrency, num_prompts=requests, max_tokens=max_tokens, temperature=temperature,
