@@ -206,3 +206,20 @@ def test_guard_measures_plain_rounds_when_the_plan_never_runs_one():
             forced.append(i)
             policy.observe([0] * 8, lengths, None, plain_s, 0.0)
     assert forced == [16, 16 + 32 + 1]
+
+
+def test_a_catch_up_round_does_not_speak_for_speculation():
+    """A draft model that missed 16 plain rounds first feeds those tokens: that round is slow for
+    a reason that serves later rounds, so it moves neither the draft scale nor the guard, and the
+    next round, with 1 or 2 tokens unseen, is measured as usual."""
+    c = cost(draft=0.002, v1=0.020, v4=0.032)
+    policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
+    alphas, caps = [0.8] * 8, [3] * 8
+    lengths = policy.plan(alphas, caps, first_fed=[1.5] * 8, unseen=[17.0] * 8)
+    assert any(lengths) and policy.last["catch_up"]
+    policy.observe([2] * 8, lengths, None, c.verify(8, 4), 10 * policy.last["draft_s"])
+    assert c.draft_scale == 1.0 and not policy.guard.spec  # unheard
+    lengths = policy.plan(alphas, caps, first_fed=[1.0] * 8, unseen=[2.0] * 8)
+    assert any(lengths) and not policy.last["catch_up"]
+    policy.observe([2] * 8, lengths, None, c.verify(8, 4), 10 * policy.last["draft_s"])
+    assert c.draft_scale > 1.0 and policy.guard.bucket(8) in policy.guard.spec  # measured

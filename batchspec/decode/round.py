@@ -57,13 +57,13 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         if engine.num_waiting() == 0:  # draining: the batch lasts as long as its longest request
             most = max(r.remaining for r in batch)
             weights = [r.remaining / most for r in batch]
-        first_fed = None
+        first_fed = unseen = None
         if engine.draft_runner is not None:  # the draft model first catches up on what it has not seen:
             # a one-off cost that serves the rest of the request, so a round is charged its share
             # (the request's remaining tokens at ~2 a round)
-            first_fed = [1 + (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1) * min(1.0, 2 / r.remaining)
-                         for r in batch]
-        lengths = policy.plan(alphas, lengths, weights, first_fed)
+            unseen = [float(max(1, r.num_tokens - r.kv_len.get("draft", 0))) for r in batch]
+            first_fed = [1 + (u - 1) * min(1.0, 2 / r.remaining) for u, r in zip(unseen, batch)]
+        lengths = policy.plan(alphas, lengths, weights, first_fed, unseen)
         before = dict(timer.totals)
     g = max(lengths)
 

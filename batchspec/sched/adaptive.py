@@ -23,7 +23,9 @@ are corrected online by the ratio of measured to predicted stage times (an expon
 α_i starts from the pair's running acceptance and follows the request's own record; a rate resting
 on few drafts gets an optimism bonus (`_bonus`), so a pessimistic prior is tried and corrected.
 When no request waits, rows are weighed by the work they have left (`plan`), and a drafter that
-is behind on a row has its catch-up priced (`first_fed`). Plain and speculative rounds are timed
+is behind on a row has its catch-up priced (`first_fed`); the round that does the catch-up is
+then left out of the draft scale and the guard (a one-off, not what speculating costs). Plain and
+speculative rounds are timed
 whole and corrected apart, and a `SpecGuard` has the last word: where speculative rounds have
 measured slower than plain ones at this batch size, rounds stay plain but for rare explorations.
 
@@ -266,19 +268,24 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ decisions
     def plan(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
-             first_fed: list[float] | None = None) -> list[int]:
+             first_fed: list[float] | None = None, unseen: list[float] | None = None) -> list[int]:
         """How many tokens each row drafts this round (row i at most caps[i]). weights[i] (default
         1) is what a token of row i is worth: when nothing waits for a row, the batch lasts as long
         as its longest request, so the round passes weigh rows by the work they have left; a row
         starved of drafts would otherwise be the one everyone waits for. first_fed[i] (default 1)
-        is what the drafter must feed row i to start drafting (more when it is behind on it)."""
+        is what a round is charged for the drafter starting row i: 1, or a share of the catch-up
+        when the drafter is behind on it. unseen[i] is what its first draft step really feeds row
+        i (1 or 2 for a row it drafted last round): a round with more is a catch-up round, which
+        `observe` does not let speak for speculation's speed."""
         if self.cost is None:
             return list(caps)
         if not self.guard.allows(len(caps)):
             return self.plain(len(caps))
         lengths = self._best_lengths(alphas, caps, weights, first_fed)
-        self.last = {"rows": len(caps), "draft_s": self.draft_s(len(caps), self._fed(lengths, first_fed)),
-                     "verify_s": self.verify_s(len(caps), sum(lengths), max(lengths, default=0))}
+        b = len(caps)
+        catch_up = unseen is not None and any(u > 2 for u, n in zip(unseen, lengths) if n > 0)
+        self.last = {"rows": b, "draft_s": self.draft_s(b, self._fed(lengths, first_fed)), "catch_up": catch_up,
+                     "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
         return lengths
 
     def plain(self, rows: int) -> list[int]:
@@ -358,6 +365,14 @@ class AdaptivePolicy:
                 if confidence is not None and confidence[i] is not None:
                     self.calibration.add(confidence[i][j], j < a)
         if self.cost is not None and self.last.get("rows") == len(verified):
+            if self.last.get("catch_up"):
+                # the draft model fed what it missed (rows it did not draft for): a one-off that
+                # serves later rounds, so neither the draft scale nor the guard hears of it. If
+                # they did, a round drafting after many plain ones would pay for all of them,
+                # speculation would measure slow, rounds would stay plain, and the next catch-up
+                # would be longer still (seen at batch 1: measured draft steps 2.5x the profile).
+                self.cost.correct(self.last["verify_s"], verify_s, 0.0, 0.0)
+                return
             self.cost.correct(self.last["verify_s"], verify_s, self.last["draft_s"], draft_s, plain=not any(verified))
             b = len(verified)
             if verify_s + draft_s > 0:  # tokens per second, as a multiple of the profile's plain rate
