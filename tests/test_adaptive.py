@@ -215,11 +215,11 @@ def test_a_catch_up_round_does_not_speak_for_speculation():
     c = cost(draft=0.002, v1=0.020, v4=0.032)
     policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
     alphas, caps = [0.8] * 8, [3] * 8
-    lengths = policy.plan(alphas, caps, first_fed=[1.5] * 8, unseen=[17.0] * 8)
-    assert any(lengths) and policy.last["catch_up"]
-    policy.observe([2] * 8, lengths, None, c.verify(8, 4), 10 * policy.last["draft_s"])
+    lengths = policy.plan(alphas, caps)
+    assert any(lengths)
+    policy.observe([2] * 8, lengths, None, c.verify(8, 4), 10 * policy.last["draft_s"], caught_up=True)
     assert c.draft_scale == 1.0 and not policy.guard.spec  # unheard
-    lengths = policy.plan(alphas, caps, first_fed=[1.0] * 8, unseen=[2.0] * 8)
-    assert any(lengths) and not policy.last["catch_up"]
+    lengths = policy.plan(alphas, caps)
     policy.observe([2] * 8, lengths, None, c.verify(8, 4), 10 * policy.last["draft_s"])
     assert c.draft_scale > 1.0 and policy.guard.bucket(8) in policy.guard.spec  # measured
+

@@ -493,6 +493,29 @@ def test_hybrid_mixes_rows_and_keeps_the_draft_kv_exact():
     assert calls == [m for m, _ in mixes if m]  # ... which only ever saw the rows it drafted for
 
 
+def test_the_draft_model_reports_its_catch_up():
+    """`DraftProposal.caught_up`: the tokens the draft model fed beyond the 1-2 a row it drafted
+    last round has unseen. The hybrid's model rows catch up after rounds the lookup served; an
+    adaptive policy leaves such rounds out of its measurements (sched/adaptive.py)."""
+    pair, ids, refs = loopy()
+    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=3, gamma=3, drafter="hybrid:ngram"))
+    engine.drafter.gate = ModelGate(explore_every=0)  # the model drafts every row without a match
+    model, seen = engine.drafter.model, []
+    propose = model.propose
+
+    def recording(reqs, gamma, uniforms, sampling, lengths=None, **kwargs):
+        lag = [r.num_tokens - r.kv_len.get("draft", 0) for r in reqs]
+        out = propose(reqs, gamma, uniforms, sampling, lengths, **kwargs)
+        seen.append((sum(max(0, u - 2) for u, n in zip(lag, lengths or [gamma] * len(reqs)) if n > 0), out.caught_up))
+        return out
+
+    model.propose = recording
+    outs = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [o.token_ids for o in outs] == refs
+    assert all(expected == got for expected, got in seen)
+    assert any(got > 0 for _, got in seen) and any(got == 0 for _, got in seen)
+
+
 # ------------------------------------------------------------------------------------- sampling
 V = 8
 # ends with (6, 2, 0), seen before: n-gram proposes 2, 2, 6, which the target draws with

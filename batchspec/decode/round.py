@@ -57,21 +57,21 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         if engine.num_waiting() == 0:  # draining: the batch lasts as long as its longest request
             most = max(r.remaining for r in batch)
             weights = [r.remaining / most for r in batch]
-        first_fed = unseen = None
+        first_fed = None
         if engine.draft_runner is not None:  # the draft model first catches up on what it has not seen:
             # a one-off cost that serves the rest of the request, so a round is charged its share
             # (the request's remaining tokens at ~2 a round)
-            unseen = [float(max(1, r.num_tokens - r.kv_len.get("draft", 0))) for r in batch]
-            first_fed = [1 + (u - 1) * min(1.0, 2 / r.remaining) for u, r in zip(unseen, batch)]
-        lengths = policy.plan(alphas, lengths, weights, first_fed, unseen)
+            first_fed = [1 + (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1) * min(1.0, 2 / r.remaining)
+                         for r in batch]
+        lengths = policy.plan(alphas, lengths, weights, first_fed)
         before = dict(timer.totals)
     g = max(lengths)
 
-    confidence = None
+    confidence, caught_up = None, 0
     if g > 0:
         with timer.stage("draft"):
             proposal = engine.drafter.propose(batch, g, None if u is None else u[:, :g], sampling, lengths=lengths)
-        drafts, q = proposal.tokens, proposal.probs
+        drafts, q, caught_up = proposal.tokens, proposal.probs, proposal.caught_up
         if proposal.lengths is not None:  # a model-free drafter found fewer tokens for some rows
             lengths = [min(n, m) for n, m in zip(lengths, proposal.lengths)]
         if policy is not None:  # TETRIS: which drafted tokens to verify
@@ -120,7 +120,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     if policy is not None:  # the whole round is measured: the policy weighs it all
         draft_s = timer.since(before)["draft"]
         rest_s = time.perf_counter() - started - draft_s
-        policy.observe(accepted, lengths, confidence, rest_s, draft_s)
+        policy.observe(accepted, lengths, confidence, rest_s, draft_s, caught_up=caught_up > 0)
         predicted = policy.predicted_s()
         if predicted is not None:
             stats.predicted_s += predicted

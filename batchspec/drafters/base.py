@@ -19,6 +19,10 @@ class DraftProposal:
     # match); the rest of its row is padding and is never verified. None: every row all γ.
     lengths: list[int] | None = None
     confidence: torch.Tensor | None = None  # [B, γ] q(d_j) where the drafter knows it (TETRIS uses it)
+    # tokens a draft model fed to catch up on what it missed (rows it skipped), beyond the 1 or 2
+    # a row it drafted last round has unseen: a one-off that a policy must not take for the cost
+    # of drafting (sched/adaptive.py)
+    caught_up: int = 0
 
 
 class Drafter(Protocol):

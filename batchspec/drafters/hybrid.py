@@ -144,7 +144,7 @@ class HybridDrafter:
         for i, c in zip(rows, sub_caps):
             lengths[i] = c
         self._round = (start, (time.perf_counter() - model_start) * drafting / (drafting + catch_up), lengths)
-        return DraftProposal(tokens, probs, lengths)
+        return DraftProposal(tokens, probs, lengths, caught_up=drafted.caught_up)
 
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:
         rows, self._model_rows = self._model_rows, []

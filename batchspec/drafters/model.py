@@ -69,7 +69,8 @@ class DraftModelDrafter:
                 confidence.append(q.gather(-1, token[:, None])[:, 0])
             tokens.append(token)
         return DraftProposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
-                             confidence=torch.stack(confidence, dim=1) if confidence else None)
+                             confidence=torch.stack(confidence, dim=1) if confidence else None,
+                             caught_up=sum(max(0, u - 2) for u in self._unseen))
 
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:
         # row i was fed its unseen tokens and d_1..d_{n_i - 1}; keep those the target accepted

@@ -84,9 +84,10 @@ class OracleDrafter:
             rows.append(row)
             self._rounds[r.index] = round_ + 1
         tokens = torch.tensor(rows, dtype=torch.long, device=self.device)
+        caught_up = 0
         if self.cost_model is not None:
-            self.cost_model.propose(reqs, gamma, uniforms, sampling, lengths, forced=tokens)
-        return DraftProposal(tokens, None)
+            caught_up = self.cost_model.propose(reqs, gamma, uniforms, sampling, lengths, forced=tokens).caught_up
+        return DraftProposal(tokens, None, caught_up=caught_up)
 
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:
         if self.cost_model is not None:

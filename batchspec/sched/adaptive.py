@@ -268,24 +268,21 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ decisions
     def plan(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
-             first_fed: list[float] | None = None, unseen: list[float] | None = None) -> list[int]:
+             first_fed: list[float] | None = None) -> list[int]:
         """How many tokens each row drafts this round (row i at most caps[i]). weights[i] (default
         1) is what a token of row i is worth: when nothing waits for a row, the batch lasts as long
         as its longest request, so the round passes weigh rows by the work they have left; a row
         starved of drafts would otherwise be the one everyone waits for. first_fed[i] (default 1)
         is what a round is charged for the drafter starting row i: 1, or a share of the catch-up
-        when the drafter is behind on it. unseen[i] is what its first draft step really feeds row
-        i (1 or 2 for a row it drafted last round): a round with more is a catch-up round, which
-        `observe` does not let speak for speculation's speed."""
+        when the drafter is behind on it (the round that does it is then left out of the
+        measurements: see `observe`)."""
         if self.cost is None:
             return list(caps)
         if not self.guard.allows(len(caps)):
             return self.plain(len(caps))
         lengths = self._best_lengths(alphas, caps, weights, first_fed)
-        b = len(caps)
-        catch_up = unseen is not None and any(u > 2 for u, n in zip(unseen, lengths) if n > 0)
-        self.last = {"rows": b, "draft_s": self.draft_s(b, self._fed(lengths, first_fed)), "catch_up": catch_up,
-                     "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
+        self.last = {"rows": len(caps), "draft_s": self.draft_s(len(caps), self._fed(lengths, first_fed)),
+                     "verify_s": self.verify_s(len(caps), sum(lengths), max(lengths, default=0))}
         return lengths
 
     def plain(self, rows: int) -> list[int]:
@@ -352,10 +349,11 @@ class AdaptivePolicy:
             any(self._best_lengths([self.alpha(0, 0)] * rows, [self.gamma_max] * rows, None, None))
 
     def observe(self, accepted: list[int], verified: list[int], confidence: list[list[float]] | None,
-                verify_s: float, draft_s: float) -> None:
+                verify_s: float, draft_s: float, caught_up: bool = False) -> None:
         """After a round: each row's accepted / verified drafts, the drafts' probabilities, the
         draft stage's seconds and the rest of the round's (the verify pass and everything around
-        it: what the decision between a plain and a speculative round has to weigh)."""
+        it: what the decision between a plain and a speculative round has to weigh); caught_up:
+        the draft model first fed what it had missed (`DraftProposal.caught_up`)."""
         while len(self._positions) < self.gamma_max:
             self._positions.append([0.0, 0.0])
         for i, (a, n) in enumerate(zip(accepted, verified)):
@@ -365,7 +363,7 @@ class AdaptivePolicy:
                 if confidence is not None and confidence[i] is not None:
                     self.calibration.add(confidence[i][j], j < a)
         if self.cost is not None and self.last.get("rows") == len(verified):
-            if self.last.get("catch_up"):
+            if caught_up:
                 # the draft model fed what it missed (rows it did not draft for): a one-off that
                 # serves later rounds, so neither the draft scale nor the guard hears of it. If
                 # they did, a round drafting after many plain ones would pay for all of them,
