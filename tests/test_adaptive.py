@@ -159,34 +159,38 @@ def test_a_drafter_far_behind_on_a_row_is_priced():
     assert behind[0] == 0 and all(behind[1:])
 
 
-def test_guard_stops_speculation_that_measures_slower_than_plain_rounds():
-    """The plan predicts that drafting pays; the rounds say otherwise (a speculative round takes
-    twice a plain round's time for 1.5 tokens a row): the policy turns plain, explores after 16
-    plain rounds, then waits twice as long. Other batch sizes are judged apart."""
+def test_guard_penalises_speculation_that_takes_longer_than_predicted():
+    """The plan predicts that drafting pays (1.4x plain decoding); at 8 rows speculative rounds
+    took twice their predicted time, plain rounds 1.2x theirs (overheads the profile lacks):
+    penalty 2 / 1.2, so the policy turns plain, explores after 16 rounds the penalty kept plain,
+    then waits twice as long. Other batch sizes are judged apart."""
     c = cost(draft=0.002, v1=0.020, v4=0.032)
     policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
     alphas, caps = [0.8] * 8, [3] * 8
-    plain_s = 1.2 * c.verify(8, 1)  # what a plain round really takes (overheads the profile lacks)
-
-    def observe(lengths):
-        if any(lengths):
-            policy.observe([0, 1] * 4, lengths, None, 2 * plain_s, 0.0)
-        else:
-            policy.observe([0] * 8, lengths, None, plain_s, 0.0)
-
-    lengths = policy.plan(alphas, caps)
-    assert any(lengths)
-    observe(lengths)
-    assert any(policy.plan(alphas, caps))  # no plain round measured yet: the plan is trusted
-    observe([0] * 8)
-    assert policy.plan(alphas, caps) == [0] * 8  # 0.75 of a plain round's rate: stay plain
+    assert any(policy.plan(alphas, caps))  # nothing measured: the plan is trusted
+    policy.guard.record(8, 2.0, speculative=True)
+    policy.guard.record(8, 1.2, speculative=False)
+    assert policy.guard.penalty(8) == pytest.approx(2 / 1.2)
+    assert policy.plan(alphas, caps) == [0] * 8
     assert any(policy.plan([0.8] * 2, [3] * 2))  # 2 rows: nothing measured there
     for _ in range(15):
-        observe(policy.plan(alphas, caps))
-    explore = policy.plan(alphas, caps)
-    assert any(explore)  # one speculative round after 16 plain ones
-    observe(explore)  # still slower
+        assert policy.plan(alphas, caps) == [0] * 8
+    assert any(policy.plan(alphas, caps))  # one speculative round after 16 the penalty kept plain
+    policy.guard.record(8, 2.0, speculative=True)  # still slow
     assert policy.guard.wait[policy.guard.bucket(8)] == 32 and policy.plan(alphas, caps) == [0] * 8
+
+
+def test_guard_ignores_what_rounds_commit():
+    """A request that accepts nothing makes its speculative rounds deliver less than plain ones,
+    but on time: the penalty stays 1, and the next request, with its own acceptance record,
+    speculates (a guard that compared tokens per second turned it off for everyone)."""
+    c = cost(draft=0.002, v1=0.020, v4=0.032)
+    policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
+    for _ in range(20):
+        lengths = policy.plan([0.8], [3])
+        policy.observe([0] * len(lengths), lengths, None, policy.last["verify_s"], policy.last["draft_s"])
+    assert policy.guard.penalty(1) == pytest.approx(1.0)
+    assert any(policy.plan([0.8], [3]))
 
 
 def test_guard_measures_plain_rounds_when_the_plan_never_runs_one():
@@ -223,3 +227,15 @@ def test_a_catch_up_round_does_not_speak_for_speculation():
     policy.observe([2] * 8, lengths, None, c.verify(8, 4), 10 * policy.last["draft_s"])
     assert c.draft_scale > 1.0 and policy.guard.bucket(8) in policy.guard.spec  # measured
 
+
+
+def test_a_plain_plan_stands_for_the_same_requests_a_few_rounds():
+    """Where drafting does not pay, the same batch's next rounds are plain without replanning,
+    up to `replan_every` rounds; other requests are planned."""
+    c = cost(draft=0.002, v1=0.020, v4=0.032)
+    policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
+    key = ("a", "b")
+    assert policy.plan([0.05] * 2, [3] * 2, key=key) == [0, 0]
+    assert [policy.plain_now(key) for _ in range(policy.replan_every + 1)] == [True] * policy.replan_every + [False]
+    assert not policy.plain_now(("a", "c"))
+    assert any(policy.plan([0.8] * 2, [3] * 2, key=key)) and not policy.plain_now(key)

@@ -201,6 +201,23 @@ def test_shared_trie_after_evictions_equals_a_fresh_one(sequences, budget):
     assert node_counts(shared) == node_counts(fresh) and shared.nodes == fresh.nodes
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=8), st.integers(1, 30),
+       st.sets(st.integers(0, 7)))
+def test_suffix_learns_lazily_what_adding_at_once_learns(sequences, budget, reads):
+    """Finished requests wait until a round reads the shared trie (reads: after which ones); the
+    trie read is the one that adding each request as it finished gives, evictions included."""
+    drafter, eager = SuffixDrafter(CPU, depth=4, max_tokens=budget), SharedTrie(4, budget)
+    for i, seq in enumerate(sequences):
+        finished = request(seq, i)
+        finished.finish_reason = FinishReason.STOP
+        drafter.release(finished)
+        eager.add(seq)
+        if i in reads or i == len(sequences) - 1:
+            assert list(drafter.shared.sequences) == list(eager.sequences)
+            assert node_counts(drafter.shared) == node_counts(eager)
+
+
 def test_suffix_proposes_the_most_frequent_continuation():
     tokens = [A, B, C, A, B, C, A, B, D, A, B]  # after (A, B): C twice, D once; after (A, B, C): A twice
     assert propose(SuffixDrafter(CPU, 6, 2, 0.5), [request(tokens)], 2) == [[C, A]]  # 2/3, then 2/3 x 1

@@ -48,7 +48,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     u = None if sampling.all_greedy else draw_uniforms([r.generator for r in batch], 2 * gamma + 1, device)
     lengths = draft_lengths(batch, gamma, target.rope_limit)
     policy = engine.policy  # adaptive lengths and TETRIS budgets (sched/adaptive.py), or None: fixed γ
-    if policy is not None and policy.plain_now(len(batch)):  # measured: speculating loses at this size
+    key = tuple(map(id, batch))  # the requests in this round, for the policy's shortcut to a plain round
+    if policy is not None and policy.plain_now(key):  # a plain round is due, or was just planned for them
         lengths = policy.plain(len(batch))
         before = dict(timer.totals)
     elif policy is not None:
@@ -63,7 +64,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             # (the request's remaining tokens at ~2 a round)
             first_fed = [1 + (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1) * min(1.0, 2 / r.remaining)
                          for r in batch]
-        lengths = policy.plan(alphas, lengths, weights, first_fed)
+        lengths = policy.plan(alphas, lengths, weights, first_fed, key=key)
         before = dict(timer.totals)
     g = max(lengths)
 

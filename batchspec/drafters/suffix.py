@@ -3,8 +3,9 @@ continuation of the request's newest tokens, counted over its own tokens and ove
 outputs of requests that finished earlier.
 
 Two count tries of depth D (trie.py) serve a row: its own, extended with each appended token
-(O(D) per token), and a shared one over finished requests (prompt + output, added when a
-request ends normally, not when it is aborted; at most `max_tokens` tokens, the oldest requests
+(O(D) per token, from the first round that drafts for it), and a shared one over finished
+requests (prompt + output, learned when a request ends normally, not when it is aborted, and
+added when a round next reads the trie; at most `max_tokens` tokens, the oldest requests
 evicted first). Proposing for a row:
 
     1. match: the longest suffix of the row's tokens, 2 <= m <= D - min(k, γ), that has an
@@ -33,6 +34,8 @@ whatever other requests did before it.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from ..core.request import FinishReason, Request
 from .ngram import LookupDrafter, cut_at_stop
@@ -73,9 +76,36 @@ class SuffixDrafter(LookupDrafter):
                  max_tokens: int = MAX_TOKENS) -> None:
         self.device, self.depth, self.k, self.min_prob = device, depth, k, min_prob
         self.label = f"suffix:{depth},{k},{min_prob:g},{max_tokens}"
-        self.shared = SharedTrie(depth, max_tokens)
         self.max_tokens = max_tokens
         self._tries: dict[int, RequestTrie] = {}  # request id -> its own trie
+        self.forget()
+
+    @property
+    def shared(self) -> SharedTrie:
+        """The trie over finished requests, first brought up to date. Adding a request is the
+        costly part of finishing it (O(D) per token), so finished requests wait in `_finished`
+        until a round reads the trie: where no round drafts (an adaptive policy running plain
+        rounds at a large batch size) it is never paid. The result is the trie eager adding
+        gives: the newest requests that fit in max_tokens, added in the order they finished."""
+        if self._stale:
+            self._shared, self._stale = SharedTrie(self.depth, self.max_tokens), False
+        while self._finished:
+            self._shared.add(self._finished.popleft())
+        self._waiting = 0
+        return self._shared
+
+    def _learn(self, tokens: list[int]) -> None:
+        """Queue a finished request's tokens for the shared trie (see `shared`). The queue holds
+        at most max_tokens: a request that cannot fit with the newer ones waiting is one the
+        trie would evict anyway, and so would be everything in the trie now."""
+        tokens = list(tokens[max(0, len(tokens) - self.max_tokens):]) if self.max_tokens else []
+        if not tokens:
+            return
+        self._finished.append(tokens)
+        self._waiting += len(tokens)
+        while self._waiting > self.max_tokens:
+            self._waiting -= len(self._finished.popleft())
+            self._stale = True
 
     def trie(self, req: Request) -> RequestTrie:
         trie = self._tries.get(req.index)
@@ -109,13 +139,14 @@ class SuffixDrafter(LookupDrafter):
         return cut_at_stop(most_frequent_path(at, min(limit, m), self.min_prob), req.stop_ids), m
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
-        for r, e in zip(reqs, ends):
-            self.trie(r).extend(r.token_ids, e)
+        pass  # a row's own trie catches up in `find`, when a round first drafts for it
 
     def forget(self) -> None:
-        self.shared = SharedTrie(self.depth, self.max_tokens)
+        self._shared, self._stale = SharedTrie(self.depth, self.max_tokens), False
+        self._finished: deque[list[int]] = deque()
+        self._waiting = 0  # tokens in _finished
 
     def release(self, req: Request) -> None:
         self._tries.pop(req.index, None)
         if req.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):  # not aborted
-            self.shared.add(req.token_ids)
+            self._learn(req.token_ids)

@@ -25,9 +25,9 @@ on few drafts gets an optimism bonus (`_bonus`), so a pessimistic prior is tried
 When no request waits, rows are weighed by the work they have left (`plan`), and a drafter that
 is behind on a row has its catch-up priced (`first_fed`); the round that does the catch-up is
 then left out of the draft scale and the guard (a one-off, not what speculating costs). Plain and
-speculative rounds are timed
-whole and corrected apart, and a `SpecGuard` has the last word: where speculative rounds have
-measured slower than plain ones at this batch size, rounds stay plain but for rare explorations.
+speculative rounds are timed whole and corrected apart, and a `SpecGuard` corrects per batch size
+what the global scales miss: where speculative rounds take longer than predicted relative to
+plain ones, speculating must be predicted that much faster (with rare explorations).
 
 Example, b = 8, D = 2 ms, V(8, n) = 20 + 4 (n - 1) ms (0.5 ms per verified draft), every α = 0.6
 (later rates 0.6 too): plain decoding 8 tokens / 20 ms = 400 tok/s; every row drafting 1 token
@@ -127,29 +127,33 @@ class Calibration:
 
 
 class SpecGuard:
-    """The last word on speculating, from what rounds really delivered. Per batch size (in powers
-    of two), exponential averages of tokens per second of speculative rounds and of plain rounds,
-    each as a multiple of what the profile predicts for a plain round at that batch size (so
-    rounds of 9 and of 15 rows compare, and what the profile leaves out falls on both alike).
-    Where both are measured and speculative rounds deliver less, rounds stay plain but for one
-    speculative round after `explore_every` plain ones, then twice as many each time it still
-    loses (at most `max_wait`): speculation never stays slower than plain decoding for long,
-    and a change (a batch that empties, text that starts repeating) is noticed.
+    """What the cost model misses, per batch size (in powers of two), from what rounds really took:
+    exponential averages of measured / predicted seconds, apart for speculative rounds and for
+    plain ones. Their ratio, the `penalty`, multiplies a speculative round's predicted time when
+    the plan weighs it against a plain round, so speculating where it measures slower than the
+    profile says (at large batch sizes on a CPU: ragged bookkeeping, a verify pass that is
+    compute-bound) needs a predicted gain that much larger. Only time is judged here: how many
+    tokens a round commits depends on the requests in it, and each request's acceptance is
+    estimated on its own (`AdaptivePolicy.alpha`). A guard that compared tokens per second of
+    speculative and plain rounds let one request that accepts little turn speculation off for
+    the requests after it (seen at batch 2: 0.92x autoregressive, 1.04x without that guard).
 
-    Example, 32 rows: plain rounds run at 0.9 of the profile's plain rate (overheads), speculative
-    rounds at 0.84 (1.3 tokens a row in 1.55 plain rounds' time) -> plain, exploring after 16
-    plain rounds, then 32, 64, ...
+    Example, 32 rows: plain rounds take 1.1x their prediction, speculative ones 1.32x: penalty
+    1.2, and a round predicted 1.15x faster than plain decoding is run plain.
 
-    The other way round too: a batch in which some row always has something worth verifying never
-    runs a plain round by itself, so after `explore_every` speculative rounds in a row one plain
-    round is run to measure that side, then after twice as many each time speculating still wins.
+    A penalty that keeps rounds plain is no longer measured, so after `explore_every` rounds it
+    kept plain one speculative round is run without it, then after twice as many each time (at
+    most `max_wait`): a change (a batch that empties) is noticed. The other way round too: a
+    batch in which some row always has something worth verifying never runs a plain round by
+    itself, so after `explore_every` speculative rounds in a row one plain round is run to
+    measure that side, then after twice as many each time.
     """
 
-    def __init__(self, weight: float = 0.2, explore_every: int = 16, max_wait: int = 512) -> None:
+    def __init__(self, weight: float = 0.1, explore_every: int = 16, max_wait: int = 512) -> None:
         self.weight, self.explore_every, self.max_wait = weight, explore_every, max_wait
-        self.spec: dict[int, float] = {}  # bucket -> speculative rounds' rate / profiled plain rate
-        self.plain: dict[int, float] = {}  # bucket -> plain rounds' rate / profiled plain rate
-        self.since: dict[int, int] = {}  # bucket -> plain rounds since its last speculative one
+        self.spec: dict[int, float] = {}  # bucket -> speculative rounds' measured / predicted seconds
+        self.plain: dict[int, float] = {}  # bucket -> plain rounds' measured / predicted seconds
+        self.blocked: dict[int, int] = {}  # bucket -> rounds the penalty kept plain since a speculative one
         self.wait: dict[int, int] = {}
         self.spec_since: dict[int, int] = {}  # bucket -> speculative rounds since its last plain one
         self.plain_wait: dict[int, int] = {}
@@ -158,33 +162,42 @@ class SpecGuard:
     def bucket(rows: int) -> int:
         return max(1, rows).bit_length()
 
-    def loses(self, k: int) -> bool:
-        return k in self.spec and k in self.plain and self.spec[k] < self.plain[k]
-
-    def allows(self, rows: int) -> bool:
+    def penalty(self, rows: int) -> float:
+        """Speculative rounds' time as a multiple of what the profile predicts, relative to plain
+        rounds' (1 until both are measured at this batch size)."""
         k = self.bucket(rows)
-        if not self.loses(k):  # speculating wins or is unjudged: now and then a plain round to measure
-            return self.spec_since.get(k, 0) < self.plain_wait.get(k, self.explore_every)
-        return self.since.get(k, 0) >= self.wait.get(k, self.explore_every)
+        return self.spec[k] / self.plain[k] if k in self.spec and k in self.plain else 1.0
 
-    def record(self, rows: int, rate: float, speculative: bool) -> None:
-        """A round of `rows` rows delivered `rate` x the profile's plain tokens per second."""
+    def exploring(self, rows: int) -> bool:
+        """The penalty has kept rounds plain long enough: this round is judged without it."""
+        k = self.bucket(rows)
+        return self.blocked.get(k, 0) >= self.wait.get(k, self.explore_every)
+
+    def kept_plain(self, rows: int) -> None:
+        k = self.bucket(rows)
+        self.blocked[k] = self.blocked.get(k, 0) + 1
+
+    def plain_due(self, rows: int) -> bool:
+        """Speculative rounds have run `plain_wait` in a row: one plain round, to measure that side."""
+        k = self.bucket(rows)
+        return self.spec_since.get(k, 0) >= self.plain_wait.get(k, self.explore_every)
+
+    def record(self, rows: int, slow: float, speculative: bool) -> None:
+        """A round of `rows` rows took `slow` x the seconds predicted for it."""
         k = self.bucket(rows)
         avg = self.spec if speculative else self.plain
-        avg[k] = rate if k not in avg else avg[k] + self.weight * (rate - avg[k])
+        avg[k] = slow if k not in avg else avg[k] * (slow / avg[k]) ** self.weight
         if not speculative:
-            checked = self.spec_since.get(k, 0) >= self.plain_wait.get(k, self.explore_every)
-            self.since[k], self.spec_since[k] = self.since.get(k, 0) + 1, 0
-            if checked and not self.loses(k):
+            if self.plain_due(rows):
                 self.plain_wait[k] = min(self.max_wait, 2 * self.plain_wait.get(k, self.explore_every))
+            self.spec_since[k] = 0
             return
         self.spec_since[k] = self.spec_since.get(k, 0) + 1
-        explored = self.since.get(k, 0) >= self.wait.get(k, self.explore_every)
-        self.since[k] = 0
-        if not self.loses(k):
-            self.wait[k] = self.explore_every
-        elif explored:
+        if self.exploring(rows):
             self.wait[k] = min(self.max_wait, 2 * self.wait.get(k, self.explore_every))
+        else:  # speculation chosen on its merits, penalty and all
+            self.wait[k] = self.explore_every
+        self.blocked[k] = 0
 
 
 @dataclass
@@ -216,7 +229,9 @@ class AdaptivePolicy:
     _positions: list[list[float]] = field(default_factory=list)
     calibration: Calibration = field(default_factory=Calibration)
     last: dict = field(default_factory=dict)  # the last decision, for stats
-    guard: SpecGuard = field(default_factory=SpecGuard)  # measured speculative / plain rates
+    guard: SpecGuard = field(default_factory=SpecGuard)  # what the cost model misses, per batch size
+    replan_every: int = 8  # see `plain_now`
+    _memo: list | None = field(default=None, repr=False)  # [key, rounds since, kept plain by the guard]
 
     def alpha(self, first_accepted: int, first_drafted: int) -> float:
         """A row's first-draft acceptance: its own record, shrunk toward the pair's running rate,
@@ -268,35 +283,57 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ decisions
     def plan(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
-             first_fed: list[float] | None = None) -> list[int]:
+             first_fed: list[float] | None = None, key: tuple | None = None) -> list[int]:
         """How many tokens each row drafts this round (row i at most caps[i]). weights[i] (default
         1) is what a token of row i is worth: when nothing waits for a row, the batch lasts as long
         as its longest request, so the round passes weigh rows by the work they have left; a row
         starved of drafts would otherwise be the one everyone waits for. first_fed[i] (default 1)
         is what a round is charged for the drafter starting row i: 1, or a share of the catch-up
         when the drafter is behind on it (the round that does it is then left out of the
-        measurements: see `observe`)."""
+        measurements: see `observe`). key: the batch's requests, for `plain_now`."""
         if self.cost is None:
             return list(caps)
-        if not self.guard.allows(len(caps)):
-            return self.plain(len(caps))
-        lengths = self._best_lengths(alphas, caps, weights, first_fed)
-        self.last = {"rows": len(caps), "draft_s": self.draft_s(len(caps), self._fed(lengths, first_fed)),
-                     "verify_s": self.verify_s(len(caps), sum(lengths), max(lengths, default=0))}
+        b = len(caps)
+        if self.guard.plain_due(b):
+            return self.plain(b)
+        lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed)
+        if blocked:
+            self.guard.kept_plain(b)
+        self._memo = [key, 0, blocked] if key is not None and not any(lengths) else None
+        self.last = {"rows": b, "draft_s": self.draft_s(b, self._fed(lengths, first_fed)),
+                     "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
         return lengths
 
     def plain(self, rows: int) -> list[int]:
-        """A plain round, recorded as the decision (the guard ruled out speculating: `plan` skips
-        its ranking, and the caller need not estimate anything per row)."""
+        """A plain round, recorded as the decision (`plain_now` said so: the caller need not
+        estimate anything per row)."""
         self.last = {"rows": rows, "draft_s": 0.0, "verify_s": self.cost.verify(rows, 1)}
         return [0] * rows
 
-    def plain_now(self, rows: int) -> bool:
-        return self.cost is not None and not self.guard.allows(rows)
+    def plain_now(self, key: tuple) -> bool:
+        """Whether the round of the requests `key` is plain without planning it: a plain round is
+        due (the guard measures that side), or the same requests' last plan was plain fewer than
+        `replan_every` rounds ago. Nothing a plan rests on moves much in a few plain rounds (they
+        change no acceptance record), and a plan is not free: ~1.5 ms at 64 rows, 3 % of a plain
+        round there."""
+        if self.cost is None:
+            return False
+        rows = len(key)
+        if self.guard.plain_due(rows):
+            return True
+        memo = self._memo
+        if memo is None or memo[0] != key or memo[1] >= self.replan_every or (memo[2] and self.guard.exploring(rows)):
+            return False
+        memo[1] += 1
+        if memo[2]:
+            self.guard.kept_plain(rows)
+        return True
 
     def _best_lengths(self, alphas: list[float], caps: list[int], weights: list[float] | None,
-                      first_fed: list[float] | None) -> list[int]:
-        """`plan`'s decision, without recording it."""
+                      first_fed: list[float] | None) -> tuple[list[int], bool]:
+        """`plan`'s decision, without recording it: the lengths, and whether they are all 0 only
+        because of the guard's penalty (a speculative round's predicted time times the penalty:
+        the same factor for every way of speculating, so the best of them stays the best)."""
         weights = weights or [1.0] * len(caps)
         later = self.later_rates()
         gains = [[w * x for x in cumulative(self._rates(a, later, c))] for a, c, w in zip(alphas, caps, weights)]
@@ -306,7 +343,12 @@ class AdaptivePolicy:
             return self.draft_s(b, fed) + self.verify_s(b, total, len(fed))
 
         lengths, rate = best_budget(self._capped(gains), seconds, sum(weights), first_fed)
-        return lengths if rate >= self.margin * sum(weights) / self.cost.verify(b, 1) else [0] * b
+        plain_rate = self.margin * sum(weights) / self.cost.verify(b, 1)
+        if rate < plain_rate:
+            return [0] * b, False
+        if rate < plain_rate * self.guard.penalty(b) and not self.guard.exploring(b):
+            return [0] * b, True
+        return lengths, False
 
     def prune(self, alphas: list[float], lengths: list[int], confidence: list[list[float] | None] | None,
               draft_spent_s: float, weights: list[float] | None = None) -> list[int]:
@@ -345,8 +387,7 @@ class AdaptivePolicy:
         prefill waits: the drafter catches up if and when a row drafts, and `plan` prices that)."""
         if self.cost is None:
             return True
-        return self.guard.allows(rows) and \
-            any(self._best_lengths([self.alpha(0, 0)] * rows, [self.gamma_max] * rows, None, None))
+        return any(self._best_lengths([self.alpha(0, 0)] * rows, [self.gamma_max] * rows, None, None)[0])
 
     def observe(self, accepted: list[int], verified: list[int], confidence: list[list[float]] | None,
                 verify_s: float, draft_s: float, caught_up: bool = False) -> None:
@@ -372,10 +413,10 @@ class AdaptivePolicy:
                 self.cost.correct(self.last["verify_s"], verify_s, 0.0, 0.0)
                 return
             self.cost.correct(self.last["verify_s"], verify_s, self.last["draft_s"], draft_s, plain=not any(verified))
-            b = len(verified)
-            if verify_s + draft_s > 0:  # tokens per second, as a multiple of the profile's plain rate
-                rate = (b + sum(accepted)) / (verify_s + draft_s)
-                self.guard.record(b, rate * self.cost.profiled(b, 1) / b, speculative=any(verified))
+            predicted = self.last["draft_s"] + self.last["verify_s"]
+            if predicted > 0 and verify_s + draft_s > 0:
+                slow = (verify_s + draft_s) / predicted
+                self.guard.record(len(verified), slow, speculative=draft_s > 0 or any(verified))
 
     def predicted_s(self) -> float | None:
         """The last round's predicted draft + verify seconds (None without a cost model)."""
