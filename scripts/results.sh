@@ -44,7 +44,7 @@ batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,2,8,32 -
 
 # Wave 5: adaptive against fixed γ 2 and 4 with the peers; the drafters on three workloads (hybrid on suffix).
 batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/wave5_adaptive.json
+  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 5 --json docs/results/wave5_adaptive.json
 for w in echo twice plain; do
   g=8; [ "$w" = plain ] && g=4
   batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
@@ -53,3 +53,4 @@ for w in echo twice plain; do
 done
 batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,2,8,32 --num-prompts 32 --max-new-tokens 64 \
   --json docs/results/verify_wave5.json
+SERVERS="ar spec adaptive hf" ./scripts/serve_bench.sh docs/results/serve_wave5
