@@ -305,8 +305,8 @@ class AdaptivePolicy:
         return lengths
 
     def plain(self, rows: int) -> list[int]:
-        """A plain round, recorded as the decision (`plain_now` said so: the caller need not
-        estimate anything per row)."""
+        """A plain round, recorded as the decision (one is due, or `plain_now` said so: the caller
+        need not estimate anything per row)."""
         self.last = {"rows": rows, "draft_s": 0.0, "verify_s": self.cost.verify(rows, 1)}
         return [0] * rows
 
