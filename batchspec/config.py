@@ -39,7 +39,8 @@ class EngineConfig:
                   decoding round), then verify the drafted tokens most likely to be accepted under
                   the budget that pays best (see sched/adaptive.py); gamma is then the most a row
                   drafts. Greedy output is unchanged; sampled output stays distributed as the
-                  target's, but a seeded request's sample then depends on its batch.
+                  target's. A seeded sampled request is left out of the plan (it drafts and
+                  verifies as with fixed gamma), so its sample does not depend on its batch.
     budget        TETRIS: verify at most this many draft tokens per round across the batch, chosen by
                   estimated cumulative acceptance (only prefixes of rows' drafts); with adaptive the
                   policy otherwise chooses the budget itself each round (sched/adaptive.py).

@@ -239,3 +239,21 @@ def test_a_plain_plan_stands_for_the_same_requests_a_few_rounds():
     assert [policy.plain_now(key) for _ in range(policy.replan_every + 1)] == [True] * policy.replan_every + [False]
     assert not policy.plain_now(("a", "c"))
     assert any(policy.plan([0.8] * 2, [3] * 2, key=key)) and not policy.plain_now(key)
+
+
+def test_held_rows_draft_whatever_the_plan_and_the_others_are_planned_around_them():
+    """Rows at α = 0.2 are kept plain (see the docstring). One held row drafts its cap anyway, even
+    when the guard has a plain round due; the round then drafts in any case, so the draft steps
+    are paid for and a draft at 0.2 (0.5 ms of verify) is worth adding to the others. prune keeps
+    the held drafts whatever the budget."""
+    policy = exact_policy(cost(), gamma_max=3, margin=1.0)
+    assert policy.plan([0.2] * 8, [3] * 8) == [0] * 8
+    assert policy.plan([0.2] * 8, [3] * 8, held=[3] + [0] * 7) == [3] + [1] * 7
+    assert policy.plan([0.2] * 8, [2] * 8, held=[0] * 8) == [0] * 8  # nothing held: as without
+    for _ in range(policy.guard.explore_every):
+        policy.guard.record(8, 1.0, speculative=True)
+    assert policy.guard.plain_due(8) and policy.plan([0.2] * 8, [3] * 8) == [0] * 8
+    assert policy.plan([0.2] * 8, [3] * 8, held=[3] + [0] * 7)[0] == 3
+    budgeted = AdaptivePolicy(None, gamma_max=3, budget=2)
+    assert budgeted.prune([0.9] * 3, [3, 3, 3], None, 0.0, held=[0, 0, 3]) == [0, 0, 3]
+    assert budgeted.prune([0.9] * 3, [3, 3, 3], None, 0.0, held=[0, 0, 1]) in ([1, 0, 1], [0, 1, 1])

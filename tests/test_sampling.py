@@ -9,6 +9,7 @@ deliberately broken verifiers are kept as negative controls: each must fail the 
 from __future__ import annotations
 
 import functools
+import random
 
 import pytest
 import torch
@@ -48,16 +49,24 @@ def exact_joint(sp: SamplingParams) -> torch.Tensor:
 
 
 def samples(sp: SamplingParams, method: str, batch_size: int, gamma: int, seed: int = 0, **config) -> torch.Tensor:
-    """N seeded samples of (t1, t2) from the engine: [N, 2]. Each request generates 2 + γ tokens
-    so that its first round drafts the full γ (a row drafts no more than it can still emit)."""
+    return sampled(sp, method, batch_size, gamma, seed, **config)[0]
+
+
+def sampled(sp: SamplingParams, method: str, batch_size: int, gamma: int, seed: int = 0, seeded: bool = True,
+            **config) -> tuple[torch.Tensor, SpecEngine]:
+    """N samples of (t1, t2) from the engine, [N, 2], and the engine. Each request generates 2 + γ tokens so that
+    its first round drafts the full γ (a row drafts no more than it can still emit). seeded=False:
+    requests without a seed (a policy plans their draft lengths; a seeded row is held at fixed γ),
+    made repeatable by seeding Python's generator, which draws their generators' seeds."""
     target, draft = models()
     engine = SpecEngine(ModelPair(target, draft, None, V, ()),
                         EngineConfig(drafter="draft_model",
                                      method=method, batch_size=batch_size, gamma=gamma, **config))
     params = [SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, max_new_tokens=2 + gamma,
-                             seed=request_seed(seed, i)) for i in range(N)]
+                             seed=request_seed(seed, i) if seeded else None) for i in range(N)]
+    random.seed(seed)
     outs = engine.generate([PROMPT] * N, params)
-    return torch.tensor([o.token_ids[:2] for o in outs])
+    return torch.tensor([o.token_ids[:2] for o in outs]), engine
 
 
 def chi_square(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
@@ -88,8 +97,11 @@ def test_speculative_sampling_matches_the_target(sp, method, bs, gamma):
 
 
 def test_tetris_budget_sampling_matches_the_target():
-    """A TETRIS budget of 20 verified drafts over 16 rows drafting 3 each: rows verify 0..3."""
-    draws = samples(SamplingParams(temperature=1.0), "eqspec", 16, 3, budget=20)
+    """A TETRIS budget of 20 verified drafts over 16 rows drafting 3 each: rows verify 0..3 (the
+    requests carry no seed, so the budget is theirs to cut)."""
+    draws, engine = sampled(SamplingParams(temperature=1.0), "eqspec", 16, 3, seeded=False, budget=20)
+    stats = engine.stats
+    assert stats.drafted <= 20 * stats.rounds and stats.gamma_hist[1] + stats.gamma_hist[2] > 0
     assert chi_square(draws, exact_joint(SamplingParams(temperature=1.0))) > ALPHA
 
 
@@ -151,19 +163,24 @@ def test_broken_verifiers_fail_the_same_test(monkeypatch, broken):
 
 
 # ---------------------------------------------------------------------------- seeds and greedy
-def test_seeded_output_does_not_depend_on_the_batch():
+@pytest.mark.parametrize("policy", [{}, dict(adaptive=True), dict(budget=4), dict(adaptive=True, budget=6)])
+def test_seeded_output_does_not_depend_on_the_batch(policy):
+    """With a policy (adaptive lengths, a TETRIS budget) seeded sampled rows are held at fixed γ,
+    so they give what they give alone; the greedy and unseeded rows beside them are planned."""
     target, draft = models()
     pair = ModelPair(target, draft, None, V, ())
     mine = [SamplingParams(temperature=1.0, top_k=6, max_new_tokens=12, seed=100 + i) for i in range(6)]
     prompts = [PROMPT[: 1 + i % 5] for i in range(6)]
-    alone = [SpecEngine(pair, EngineConfig(drafter="draft_model",
-                                           method="eqspec", batch_size=1, gamma=3)).generate([p], [sp])[0].token_ids
-             for p, sp in zip(prompts, mine)]
-    others = [SamplingParams(temperature=0.8, max_new_tokens=20, seed=7 + i) for i in range(10)]
+    alone = [SpecEngine(pair, EngineConfig(drafter="draft_model", method="eqspec", batch_size=1, gamma=3, **policy)
+                        ).generate([p], [sp])[0].token_ids for p, sp in zip(prompts, mine)]
+    others = [SamplingParams(temperature=0.8, max_new_tokens=20, seed=7 + i) for i in range(4)]
+    others += [SamplingParams(max_new_tokens=20)] * 3 + [SamplingParams(temperature=0.9, max_new_tokens=20)] * 3
     for method, bs in (("eqspec", 8), ("exspec", 4), ("exspec", 16)):
-        engine = SpecEngine(pair, EngineConfig(drafter="draft_model", method=method, batch_size=bs, gamma=3))
+        engine = SpecEngine(pair, EngineConfig(drafter="draft_model", method=method, batch_size=bs, gamma=3, **policy))
         outs = engine.generate(prompts + [[2, 2, 2]] * 10, mine + others)
         assert [o.token_ids for o in outs[:6]] == alone, (method, bs)
+        if "budget" in policy:  # the planned rows were cut to the budget, so the hold was needed
+            assert engine.stats.gamma_hist[1] + engine.stats.gamma_hist[2] > 0
     assert len({tuple(a) for a in alone}) > 1  # requests are not identical copies
 
 

@@ -74,3 +74,43 @@ def test_best_budget_keeps_the_depth_counts():
     # gain per token fed (0.18, 0.144, ...), after row 1's 0.5 and 0.25
     best_budget(EXAMPLE, lambda total, fed: seen.append((total, list(fed))) or 1.0, 2, first_fed=[5, 1])
     assert seen[:5] == [(0, []), (1, [1]), (2, [1, 1]), (3, [6, 1]), (4, [6, 2])]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rates=rows, budget=st.integers(0, 10), data=st.data())
+def test_held_drafts_are_taken_first_and_the_rest_is_optimal(rates, budget, data):
+    """Held drafts (rows whose length must not depend on the batch) are always verified and count
+    against the budget; what the budget has left goes to the best of the other drafts."""
+    gains = [cumulative(r) for r in rates]
+    held = [data.draw(st.integers(0, len(g))) for g in gains]
+    lengths = select(gains, budget, held)
+    assert all(h <= n <= len(g) for h, n, g in zip(held, lengths, gains))
+    assert sum(lengths) == max(sum(held), min(budget, sum(len(g) for g in gains)))
+    choices = [c for c in itertools.product(*[range(h, len(g) + 1) for h, g in zip(held, gains)])
+               if sum(c) <= max(budget, sum(held))]
+    assert expected(gains, lengths) == pytest.approx(max(expected(gains, c) for c in choices))
+
+
+@settings(max_examples=100, deadline=None)
+@given(rates=rows, fixed=st.floats(0.001, 0.05), per_token=st.floats(0.0001, 0.01), data=st.data())
+def test_best_budget_with_held_drafts_is_the_best_rate_of_the_choices_that_keep_them(rates, fixed, per_token,
+                                                                                    data):
+    gains = [cumulative(r) for r in rates]
+    held = [data.draw(st.integers(0, len(g))) for g in gains]
+
+    def seconds(total, fed):
+        return fixed + per_token * total
+
+    lengths, rate = best_budget(gains, seconds, len(gains), held=held)
+    assert all(h <= n for h, n in zip(held, lengths))
+    brute = max((len(gains) + expected(gains, c)) / seconds(sum(c), None)
+                for c in itertools.product(*[range(h, len(g) + 1) for h, g in zip(held, gains)]))
+    assert rate == pytest.approx(brute)
+
+
+def test_best_budget_docstring_example_with_held_drafts():
+    seen = []
+    lengths, _ = best_budget(EXAMPLE, lambda total, fed: seen.append((total, list(fed))) or 1.0 + total, 2,
+                             held=[0, 3])
+    assert seen[:2] == [(3, [1, 1, 1]), (4, [2, 1, 1])]  # the walk starts from row 1's three drafts
+    assert lengths[1] == 3

@@ -11,7 +11,11 @@ how batches are formed (see `batchspec.sched`), never in this loop.
 
 Randomness stays per request: every row draws 2γ + 1 uniforms per round whatever γ_i is (u_j
 drafts d_j, u_{γ+j} accepts it, u_{2γ} draws the final token), so a seeded request's output does
-not depend on its batch.
+not depend on its batch. Which uniform serves which token also depends on how many drafts each
+round verified, so a policy must not choose that for a seeded sampled row from what the rest of
+the batch does: such a row is *held* at the length it has with fixed γ (`held` below), and the
+policy plans the other rows around it. Greedy rows (whose output no length changes) and unseeded
+sampled rows (which promise no particular sample) are the policy's to plan.
 """
 
 from __future__ import annotations
@@ -49,7 +53,11 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     lengths = draft_lengths(batch, gamma, target.rope_limit)
     policy = engine.policy  # adaptive lengths and TETRIS budgets (sched/adaptive.py), or None: fixed γ
     key = tuple(map(id, batch))  # the requests in this round, for the policy's shortcut to a plain round
-    if policy is not None and policy.plain_now(key):  # a plain round is due, or was just planned for them
+    held = None  # seeded sampled rows keep their fixed-γ length (see the module docstring)
+    if policy is not None and any(n > 0 and r.params.seed is not None and not r.params.greedy
+                                  for r, n in zip(batch, lengths)):
+        held = [n if r.params.seed is not None and not r.params.greedy else 0 for r, n in zip(batch, lengths)]
+    if policy is not None and held is None and policy.plain_now(key):  # plain: due, or just planned for them
         lengths = policy.plain(len(batch))
         before = dict(timer.totals)
     elif policy is not None:
@@ -64,7 +72,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             # (the request's remaining tokens at ~2 a round)
             first_fed = [1 + (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1) * min(1.0, 2 / r.remaining)
                          for r in batch]
-        lengths = policy.plan(alphas, lengths, weights, first_fed, key=key)
+        lengths = policy.plan(alphas, lengths, weights, first_fed, key=key, held=held)
         before = dict(timer.totals)
     g = max(lengths)
 
@@ -75,10 +83,12 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         drafts, q, caught_up = proposal.tokens, proposal.probs, proposal.caught_up
         if proposal.lengths is not None:  # a model-free drafter found fewer tokens for some rows
             lengths = [min(n, m) for n, m in zip(lengths, proposal.lengths)]
+            if held is not None:
+                held = [min(h, n) for h, n in zip(held, lengths)]
         if policy is not None:  # TETRIS: which drafted tokens to verify
             if proposal.confidence is not None:  # greedy rows only (see sched/adaptive.py)
                 confidence = [c if r.params.greedy else None for r, c in zip(batch, proposal.confidence.tolist())]
-            lengths = policy.prune(alphas, lengths, confidence, timer.since(before)["draft"], weights)
+            lengths = policy.prune(alphas, lengths, confidence, timer.since(before)["draft"], weights, held)
         drafts = drafts[:, :max(lengths)]
         q = q[:, :drafts.shape[1]] if q is not None else None
     else:

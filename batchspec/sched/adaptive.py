@@ -283,20 +283,24 @@ class AdaptivePolicy:
 
     # ------------------------------------------------------------------ decisions
     def plan(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
-             first_fed: list[float] | None = None, key: tuple | None = None) -> list[int]:
+             first_fed: list[float] | None = None, key: tuple | None = None,
+             held: list[int] | None = None) -> list[int]:
         """How many tokens each row drafts this round (row i at most caps[i]). weights[i] (default
         1) is what a token of row i is worth: when nothing waits for a row, the batch lasts as long
         as its longest request, so the round passes weigh rows by the work they have left; a row
         starved of drafts would otherwise be the one everyone waits for. first_fed[i] (default 1)
         is what a round is charged for the drafter starting row i: 1, or a share of the catch-up
         when the drafter is behind on it (the round that does it is then left out of the
-        measurements: see `observe`). key: the batch's requests, for `plain_now`."""
+        measurements: see `observe`). key: the batch's requests, for `plain_now`. held[i] (default
+        0): row i drafts at least that many tokens, whatever the plan (rows whose output must not
+        depend on their batch: see `decode/round.py`); a round with held drafts is speculative
+        anyway, so the plan only chooses what the other rows add to it."""
         if self.cost is None:
             return list(caps)
         b = len(caps)
-        if self.guard.plain_due(b):
+        if self.guard.plain_due(b) and not any(held or ()):
             return self.plain(b)
-        lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed)
+        lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed, held)
         if blocked:
             self.guard.kept_plain(b)
         self._memo = [key, 0, blocked] if key is not None and not any(lengths) else None
@@ -330,7 +334,7 @@ class AdaptivePolicy:
         return True
 
     def _best_lengths(self, alphas: list[float], caps: list[int], weights: list[float] | None,
-                      first_fed: list[float] | None) -> tuple[list[int], bool]:
+                      first_fed: list[float] | None, held: list[int] | None = None) -> tuple[list[int], bool]:
         """`plan`'s decision, without recording it: the lengths, and whether they are all 0 only
         because of the guard's penalty (a speculative round's predicted time times the penalty:
         the same factor for every way of speculating, so the best of them stays the best)."""
@@ -342,7 +346,9 @@ class AdaptivePolicy:
         def seconds(total: int, fed: list[float]) -> float:
             return self.draft_s(b, fed) + self.verify_s(b, total, len(fed))
 
-        lengths, rate = best_budget(self._capped(gains), seconds, sum(weights), first_fed)
+        lengths, rate = best_budget(self._capped(gains, held), seconds, sum(weights), first_fed, held)
+        if any(held or ()):  # no plain round to weigh it against
+            return lengths, False
         plain_rate = self.margin * sum(weights) / self.cost.verify(b, 1)
         if rate < plain_rate:
             return [0] * b, False
@@ -351,13 +357,14 @@ class AdaptivePolicy:
         return lengths, False
 
     def prune(self, alphas: list[float], lengths: list[int], confidence: list[list[float] | None] | None,
-              draft_spent_s: float, weights: list[float] | None = None) -> list[int]:
+              draft_spent_s: float, weights: list[float] | None = None, held: list[int] | None = None) -> list[int]:
         """Which drafted tokens to verify: a prefix of lengths[i] per row (TETRIS). confidence[i]
         is row i's q(d_j), given only for greedy rows: for a sampled row, choosing whether to
         verify d_j by its own q(d_j) would bias the output (q = (0.9, 0.1) over {a, b}, p = (0.5,
         0.5), verifying d only when d = a emits a with probability 0.9 x 0.5/0.9 + 0.1 x 0.5 =
         0.55), so sampled rows are ranked by their acceptance record alone, which no draft of this
-        round influences. weights as in `plan`."""
+        round influences. weights and held as in `plan` (a fixed `budget` counts held drafts
+        first, and is exceeded only by them)."""
         weights = weights or [1.0] * len(lengths)
         later = self.later_rates()
         gains = []
@@ -368,18 +375,18 @@ class AdaptivePolicy:
             gains.append([weights[i] * x for x in cumulative(rates)])
         b = len(lengths)
         if self.cost is None:
-            return select(gains, self.budget)
-        chosen, _ = best_budget(self._capped(gains), lambda total, fed: draft_spent_s
-                                + self.verify_s(b, total, len(fed)), sum(weights))
+            return select(gains, self.budget, held)
+        chosen, _ = best_budget(self._capped(gains, held), lambda total, fed: draft_spent_s
+                                + self.verify_s(b, total, len(fed)), sum(weights), held=held)
         if self.last.get("rows") == b:
             self.last["verify_s"] = self.verify_s(b, sum(chosen), max(chosen, default=0))
         return chosen
 
-    def _capped(self, gains: list[list[float]]) -> list[list[float]]:
+    def _capped(self, gains: list[list[float]], held: list[int] | None = None) -> list[list[float]]:
         """With a fixed budget, only its worth of the ranking can be chosen."""
         if self.budget is None:
             return gains
-        lengths = select(gains, self.budget)
+        lengths = select(gains, self.budget, held)
         return [g[:n] for g, n in zip(gains, lengths)]
 
     def speculates(self, rows: int) -> bool:

@@ -49,37 +49,57 @@ def ranking(gains: Sequence[Sequence[float]], cost: Sequence[float] | None = Non
     return out
 
 
-def select(gains: Sequence[Sequence[float]], budget: int) -> list[int]:
-    """Per-row draft lengths verifying the `budget` drafts of largest cumulative gain."""
-    lengths = [0] * len(gains)
-    for _, i, _ in ranking(gains)[:max(0, budget)]:
+def select(gains: Sequence[Sequence[float]], budget: int, held: Sequence[int] | None = None) -> list[int]:
+    """Per-row draft lengths verifying the `budget` drafts of largest cumulative gain. held[i]
+    (default 0) drafts of row i are verified whatever their gain and count against the budget
+    first; the budget is exceeded only when they alone exceed it."""
+    lengths = list(held) if held is not None else [0] * len(gains)
+    rest = [row[n:] for row, n in zip(gains, lengths)]
+    for _, i, _ in ranking(rest)[:max(0, budget - sum(lengths))]:
         lengths[i] += 1
     return lengths
 
 
 def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[float]], float],
-                base_tokens: float, first_fed: Sequence[float] | None = None) -> tuple[list[int], float]:
+                base_tokens: float, first_fed: Sequence[float] | None = None,
+                held: Sequence[int] | None = None) -> tuple[list[int], float]:
     """The prefix of the ranking with the most (base_tokens + Σ gains) / seconds, where base_tokens
     is what the round commits with no draft verified (one token per row) and seconds(total, fed)
     the round's cost for `total` drafts, fed[j] being the tokens the draft step at depth j feeds:
     one per row drafting more than j tokens, except at depth 0, where row i feeds first_fed[i]
     (default 1: a drafter that is behind on a row catches up in its first step; such a row is
     ranked by its gains per token fed, so it comes after rows that are cheap to start). Kept up to
-    date as the ranking is walked, so a cost is O(γ), not O(rows). Returns (lengths, tokens per
-    second)."""
-    order = ranking(gains, first_fed)
+    date as the ranking is walked, so a cost is O(γ), not O(rows). held[i] (default 0): the first
+    held[i] drafts of row i are taken before the walk, whatever they are worth (rows whose length
+    must not depend on the batch); the walk ranks what follows them. Returns (lengths, tokens per
+    second).
+
+    Example: gains [[0.9, 0.72, 0.36], [0.5, 0.25, 0.125]], held [0, 3]: the walk starts from
+    row 1's three drafts (0.875 expected tokens, fed [1, 1, 1], 3 verified) and ranks only row 0's
+    0.9, 0.72, 0.36; the result is [k, 3] for the k with the best rate."""
+    lengths = list(held) if held is not None else [0] * len(gains)
     fed: list[float] = []
     tokens = base_tokens
-    best_total, best_rate = 0, tokens / seconds(0, fed)
+    for i, n in enumerate(lengths):
+        for j in range(n):
+            if j == len(fed):
+                fed.append(0)
+            fed[j] += first_fed[i] if j == 0 and first_fed is not None else 1
+            tokens += gains[i][j]
+    start = sum(lengths)
+    # a started row's first step is paid for: the rest of it is ranked by gain alone
+    scale = None if first_fed is None else [f if n == 0 else 1.0 for f, n in zip(first_fed, lengths)]
+    order = ranking([row[n:] for row, n in zip(gains, lengths)], scale)
+    best_total, best_rate = 0, tokens / seconds(start, fed)
     for total, (gain, i, j) in enumerate(order, start=1):
+        j += lengths[i]
         if j == len(fed):
             fed.append(0)
         fed[j] += first_fed[i] if j == 0 and first_fed is not None else 1
         tokens += gain
-        rate = tokens / seconds(total, fed)
+        rate = tokens / seconds(start + total, fed)
         if rate > best_rate:
             best_total, best_rate = total, rate
-    lengths = [0] * len(gains)
     for _, i, _ in order[:best_total]:
         lengths[i] += 1
     return lengths, best_rate
