@@ -54,3 +54,5 @@ done
 batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,2,8,32 --num-prompts 32 --max-new-tokens 64 \
   --json docs/results/verify_wave5.json
 SERVERS="ar spec adaptive hf" ./scripts/serve_bench.sh docs/results/serve_wave5
+# Wave 5, again: the serving table over three runs (medians).
+SERVERS="ar spec hf" REPEAT=3 ./scripts/serve_bench.sh docs/results/serve_wave5_r3
