@@ -54,7 +54,7 @@ MAX_PREFILL = typer.Option(2048, "--max-prefill-tokens", help="Prompt-token slot
 
 ADAPTIVE = typer.Option(False, "--adaptive", help="Choose each row's draft length (0..gamma) every round from "
                                                    "measured costs and acceptance (profiles the models for a few "
-                                                   "seconds first)")
+                                                   "seconds first); seeded sampled requests keep fixed gamma")
 RAY = typer.Option(None, "--ray", metavar="ADDRESS",
                    help="Run on Ray (needs batchspec[ray]): 'local' starts a Ray instance on this machine, 'auto' "
                         "joins the cluster this machine belongs to, or a cluster address (ray://HOST:10001, "
@@ -70,7 +70,8 @@ ROWS_PER_CALL = typer.Option(None, "--rows-per-call", help="--ray: prompts per a
                                                            "even share per worker)")
 BUDGET = typer.Option(None, "--budget", help="TETRIS: verify at most this many draft tokens per round across the "
                                              "batch, those most likely to be accepted (with --adaptive: instead of "
-                                             "the budget it chooses)")
+                                             "the budget it chooses); seeded sampled requests keep their fixed-gamma "
+                                             "drafts, counted first")
 
 
 def engine_options(refill: str, max_kv_tokens: int | None, max_prefill_tokens: int, adaptive: bool = False,
