@@ -54,9 +54,9 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     policy = engine.policy  # adaptive lengths and TETRIS budgets (sched/adaptive.py), or None: fixed γ
     key = tuple(map(id, batch))  # the requests in this round, for the policy's shortcut to a plain round
     held = None  # seeded sampled rows keep their fixed-γ length (see the module docstring)
-    if policy is not None and any(n > 0 and r.params.seed is not None and not r.params.greedy
-                                  for r, n in zip(batch, lengths)):
+    if policy is not None and not sampling.all_greedy:
         held = [n if r.params.seed is not None and not r.params.greedy else 0 for r, n in zip(batch, lengths)]
+        held = held if any(held) else None
     if policy is not None and held is None and policy.plain_now(key):  # plain: due, or just planned for them
         lengths = policy.plain(len(batch))
         before = dict(timer.totals)

@@ -79,24 +79,21 @@ def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[f
     0.9, 0.72, 0.36; the result is [k, 3] for the k with the best rate."""
     lengths = list(held) if held is not None else [0] * len(gains)
     fed: list[float] = []
-    tokens = base_tokens
-    for i, n in enumerate(lengths):
-        for j in range(n):
-            if j == len(fed):
-                fed.append(0)
-            fed[j] += first_fed[i] if j == 0 and first_fed is not None else 1
-            tokens += gains[i][j]
+
+    def take(i: int, j: int) -> float:  # row i verifies its draft j: the step at depth j feeds it; its gain
+        if j == len(fed):
+            fed.append(0)
+        fed[j] += first_fed[i] if j == 0 and first_fed is not None else 1
+        return gains[i][j]
+
+    tokens = base_tokens + sum(take(i, j) for i, n in enumerate(lengths) for j in range(n))
     start = sum(lengths)
     # a started row's first step is paid for: the rest of it is ranked by gain alone
     scale = None if first_fed is None else [f if n == 0 else 1.0 for f, n in zip(first_fed, lengths)]
     order = ranking([row[n:] for row, n in zip(gains, lengths)], scale)
     best_total, best_rate = 0, tokens / seconds(start, fed)
-    for total, (gain, i, j) in enumerate(order, start=1):
-        j += lengths[i]
-        if j == len(fed):
-            fed.append(0)
-        fed[j] += first_fed[i] if j == 0 and first_fed is not None else 1
-        tokens += gain
+    for total, (_, i, j) in enumerate(order, start=1):
+        tokens += take(i, j + lengths[i])
         rate = tokens / seconds(start + total, fed)
         if rate > best_rate:
             best_total, best_rate = total, rate
