@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny import pair, prompts, references
 
 from batchspec import EngineConfig, SamplingParams, SpecEngine
@@ -40,6 +42,28 @@ def test_docstring_example():
     assert policy.plan([0.95] * 8, [0] * 8) == [0] * 8  # no row may draft (all about to finish)
     mixed = policy.plan([0.95] * 4 + [0.1] * 4, [3] * 8)
     assert mixed == [2] * 4 + [0] * 4  # only the rows likely to accept draft
+
+
+@settings(max_examples=200, deadline=None)
+@given(b=st.integers(1, 40), packed=st.booleans(), data=st.data(),
+       scales=st.tuples(*[st.floats(0.2, 5.0)] * 3), drafts=st.tuples(st.floats(0.0, 0.01), st.floats(0.0, 0.01)))
+def test_round_seconds_is_draft_plus_verify(b, packed, data, scales, drafts):
+    """The plan's fast cost of a round (`CostModel.round_seconds`) is the policy's draft_s + verify_s,
+    for any rows, lengths (up to beyond the profiled columns), catch-up and online scales, and with a
+    draft profile that falls with rows (steps clamped at 0)."""
+    c = CostModel(rows=(1, 8), cols=(1, 2, 4), verify_s={(1, 1): 0.01, (1, 2): 0.011, (1, 4): 0.013,
+                                                         (8, 1): 0.02, (8, 2): 0.03, (8, 4): 0.04},
+                  draft_s={1: drafts[0], 8: drafts[1]})
+    c.verify_scale, c.plain_scale, c.draft_scale = scales
+    policy = AdaptivePolicy(c, gamma_max=5, packed=packed)
+    lengths = data.draw(st.lists(st.integers(0, 5), min_size=b, max_size=b))
+    first_fed = data.draw(st.none() | st.lists(st.floats(1.0, 30.0), min_size=b, max_size=b))
+    fed = policy._fed(lengths, first_fed)
+    total, deepest = sum(lengths), max(lengths)
+    expected = policy.draft_s(b, fed) + policy.verify_s(b, total, deepest)
+    assert c.round_seconds(b, packed)(total, fed) == pytest.approx(expected)
+    done = c.round_seconds(b, packed, drafted_s=0.5)
+    assert done(total, fed) == pytest.approx(0.5 + policy.verify_s(b, total, deepest))
 
 
 def test_plan_is_the_best_of_uniform_lengths():

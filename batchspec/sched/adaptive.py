@@ -38,6 +38,8 @@ Rows at α = 0.95 next to rows at α = 0.1: the first four draft 2 tokens, the o
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .tetris import best_budget, cumulative, select
@@ -64,6 +66,7 @@ class CostModel:
     draft_scale: float = 1.0
     _cached_b: int | None = field(default=None, repr=False, compare=False)
     _cached: list[float] = field(default_factory=list, repr=False, compare=False)
+    _columns: dict = field(default_factory=dict, repr=False, compare=False)  # (b, packed) -> see round_seconds
 
     def verify(self, b: int, n: float) -> float:
         scale = self.plain_scale if n <= 1 else self.verify_scale
@@ -72,7 +75,7 @@ class CostModel:
     def profiled(self, b: int, n: float) -> float:
         """V(b, n) as profiled, without the online corrections."""
         cols, at = self.cols, self._at_rows(b)
-        k = next((i for i in range(1, len(cols) - 1) if n <= cols[i]), len(cols) - 1)  # segment [k-1, k]
+        k = min(max(bisect_left(cols, n), 1), len(cols) - 1)  # segment [k-1, k]: cols[k-1] < n <= cols[k]
         return _lerp(n, cols[k - 1], cols[k], at[k - 1], at[k])
 
     def _at_rows(self, b: int) -> list[float]:
@@ -83,9 +86,43 @@ class CostModel:
             self._cached = [_lerp(b, b0, b1, self.verify_s[(b0, c)], self.verify_s[(b1, c)]) for c in self.cols]
         return self._cached
 
-    def draft(self, b: int) -> float:
+    def draft(self, b: float) -> float:
         b0, b1 = self.rows
         return max(0.0, self.draft_scale * _lerp(b, b0, b1, self.draft_s[b0], self.draft_s[b1]))
+
+    def round_seconds(self, b: int, packed: bool = True, drafted_s: float | None = None) -> Callable:
+        """seconds(total, fed) of a round over b rows: a draft step per depth j feeding fed[j]
+        tokens (`draft`, of max(fed[j], b) rows when not packed), or `drafted_s` when the drafting
+        is done, plus a verify pass of `total` drafts, the longest row len(fed) deep (`verify`, at
+        1 + total / b columns when packed). The same numbers as those methods, with what depends on
+        b read once: a plan calls it for every draft it ranks (hundreds at 32 rows)."""
+        b0, b1 = self.rows
+        slope = (self.draft_s[b1] - self.draft_s[b0]) / (b1 - b0) if b1 != b0 else 0.0
+        base, dscale = self.draft_s[b0] - slope * b0, self.draft_scale
+        plain, spec = max(1e-6, self.plain_scale * self.profiled(b, 1)), self.verify_scale
+        table = self._columns.get((b, packed))
+        if table is None:  # unscaled V for every total (packed) or every depth (not)
+            most = b * (self.cols[-1] - 1) if packed else self.cols[-1] - 1
+            table = [self.profiled(b, 1 + (t / b if packed else t)) for t in range(most + 1)]
+            self._columns[(b, packed)] = table
+        last = len(table) - 1
+
+        linear = packed and base + slope >= 0 and slope >= 0  # no step clamped at 0 (every fed[j] >= 1)
+
+        def seconds(total: int, fed: list[float]) -> float:
+            if drafted_s is not None:
+                draft = drafted_s
+            elif linear:
+                draft = dscale * (len(fed) * base + slope * sum(fed))
+            else:
+                draft = dscale * sum(max(0.0, base + slope * (n if packed else max(n, b))) for n in fed if n)
+            at = total if packed else len(fed)
+            if at == 0:
+                return draft + plain
+            unscaled = table[at] if at <= last else self.profiled(b, 1 + (at / b if packed else at))
+            return draft + max(1e-6, spec * unscaled)
+
+        return seconds
 
     def correct(self, predicted_verify: float, measured_verify: float, predicted_draft: float,
                 measured_draft: float, plain: bool = False, weight: float = 0.1) -> None:
@@ -116,9 +153,15 @@ class Calibration:
     def _bin(self, q: float) -> int:
         return min(self.bins - 1, max(0, int(q * self.bins)))
 
-    def rate(self, q: float, prior: float) -> float:
-        acc, reached = self.counts[self._bin(q)]
-        return min(0.99, (acc + self.strength * prior) / (reached + self.strength))
+    def rates(self, qs: list[float], priors: list[float]) -> list[float]:
+        """P(accepted) of drafts with probabilities qs, each bin's count shrunk toward its prior (a
+        row's drafts at once: a prune asks for every draft of the batch)."""
+        counts, strength = self.counts, self.strength
+        out = []
+        for q, prior in zip(qs, priors):
+            acc, reached = counts[self._bin(q)]
+            out.append(min(0.99, (acc + strength * prior) / (reached + strength)))
+        return out
 
     def add(self, q: float, accepted: bool) -> None:
         counts = self.counts[self._bin(q)]
@@ -342,10 +385,7 @@ class AdaptivePolicy:
         later = self.later_rates()
         gains = [[w * x for x in cumulative(self._rates(a, later, c))] for a, c, w in zip(alphas, caps, weights)]
         b = len(caps)
-
-        def seconds(total: int, fed: list[float]) -> float:
-            return self.draft_s(b, fed) + self.verify_s(b, total, len(fed))
-
+        seconds = self.cost.round_seconds(b, self.packed)
         lengths, rate = best_budget(self._capped(gains, held), seconds, sum(weights), first_fed, held)
         if any(held or ()):  # no plain round to weigh it against
             return lengths, False
@@ -371,13 +411,13 @@ class AdaptivePolicy:
         for i, (a, n) in enumerate(zip(alphas, lengths)):
             rates = self._rates(a, later, n)
             if confidence is not None and confidence[i] is not None:
-                rates = [self.calibration.rate(q, r) for q, r in zip(confidence[i], rates)]
+                rates = self.calibration.rates(confidence[i], rates)
             gains.append([weights[i] * x for x in cumulative(rates)])
         b = len(lengths)
         if self.cost is None:
             return select(gains, self.budget, held)
-        chosen, _ = best_budget(self._capped(gains, held), lambda total, fed: draft_spent_s
-                                + self.verify_s(b, total, len(fed)), sum(weights), held=held)
+        seconds = self.cost.round_seconds(b, self.packed, drafted_s=draft_spent_s)
+        chosen, _ = best_budget(self._capped(gains, held), seconds, sum(weights), held=held)
         if self.last.get("rows") == b:
             self.last["verify_s"] = self.verify_s(b, sum(chosen), max(chosen, default=0))
         return chosen

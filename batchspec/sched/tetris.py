@@ -19,7 +19,6 @@ per second under a cost function of the per-row lengths (the policy's cost model
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
 
 
@@ -35,18 +34,14 @@ def cumulative(rates: Sequence[float]) -> list[float]:
 def ranking(gains: Sequence[Sequence[float]], cost: Sequence[float] | None = None) -> list[tuple[float, int, int]]:
     """Every (gain, row, position) in the order TETRIS takes them: largest gain first (per unit of
     cost[i], row i's price per token, when given), the earlier position first on ties, so every
-    prefix of the ranking is a set of per-row prefixes. A max-heap over each row's next position:
-    O(C log B) for the first C."""
-    scale = cost or [1.0] * len(gains)
-    heap = [(-row[0] / scale[i], 0, i) for i, row in enumerate(gains) if row]
-    heapq.heapify(heap)
-    out = []
-    while heap:
-        _, j, i = heapq.heappop(heap)
-        out.append((gains[i][j], i, j))
-        if j + 1 < len(gains[i]):
-            heapq.heappush(heap, (-gains[i][j + 1] / scale[i], j + 1, i))
-    return out
+    prefix of the ranking is a set of per-row prefixes. Gains never grow along a row (cumulative
+    acceptance), so sorting the flattened batch gives that order: O(C log C) for C drafts."""
+    if cost is None:
+        flat = [(-g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row)]
+    else:
+        flat = [(-g / cost[i], j, i) for i, row in enumerate(gains) for j, g in enumerate(row)]
+    flat.sort()
+    return [(gains[i][j], i, j) for _, j, i in flat]
 
 
 def select(gains: Sequence[Sequence[float]], budget: int, held: Sequence[int] | None = None) -> list[int]:
