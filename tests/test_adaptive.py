@@ -49,21 +49,30 @@ def test_docstring_example():
        scales=st.tuples(*[st.floats(0.2, 5.0)] * 3), drafts=st.tuples(st.floats(0.0, 0.01), st.floats(0.0, 0.01)))
 def test_round_seconds_is_draft_plus_verify(b, packed, data, scales, drafts):
     """The plan's fast cost of a round (`CostModel.round_seconds`) is the policy's draft_s + verify_s,
-    for any rows, lengths (up to beyond the profiled columns), catch-up and online scales, and with a
-    draft profile that falls with rows (steps clamped at 0)."""
+    for any rows, lengths (up to beyond the profiled columns), catch-up (0: a row no draft step
+    feeds), online scales, and a draft profile that falls with rows (steps clamped at 0)."""
     c = CostModel(rows=(1, 8), cols=(1, 2, 4), verify_s={(1, 1): 0.01, (1, 2): 0.011, (1, 4): 0.013,
                                                          (8, 1): 0.02, (8, 2): 0.03, (8, 4): 0.04},
                   draft_s={1: drafts[0], 8: drafts[1]})
     c.verify_scale, c.plain_scale, c.draft_scale = scales
     policy = AdaptivePolicy(c, gamma_max=5, packed=packed)
     lengths = data.draw(st.lists(st.integers(0, 5), min_size=b, max_size=b))
-    first_fed = data.draw(st.none() | st.lists(st.floats(1.0, 30.0), min_size=b, max_size=b))
+    first_fed = data.draw(st.none() | st.lists(st.just(0.0) | st.floats(1.0, 30.0), min_size=b, max_size=b))
     fed = policy._fed(lengths, first_fed)
     total, deepest = sum(lengths), max(lengths)
     expected = policy.draft_s(b, fed) + policy.verify_s(b, total, deepest)
     assert c.round_seconds(b, packed)(total, fed) == pytest.approx(expected)
     done = c.round_seconds(b, packed, drafted_s=0.5)
     assert done(total, fed) == pytest.approx(0.5 + policy.verify_s(b, total, deepest))
+
+
+def test_may_speculate_bounds_the_plan_with_free_drafting():
+    """A hybrid's lookups are done only when the plan could speculate were drafting free."""
+    policy = exact_policy(cost(draft=0.5), gamma_max=3, margin=1.0)
+    assert policy.plan([0.6] * 8, [3] * 8) == [0] * 8  # draft steps cost too much...
+    assert policy.may_speculate([0.6] * 8, [3] * 8)  # ... but free drafts would pay
+    assert not policy.may_speculate([0.05] * 8, [3] * 8)  # nothing would: no lookups
+    assert policy.may_speculate([0.05] * 8, [3] * 8, held=[1] + [0] * 7)  # a held row drafts anyway
 
 
 def test_plan_is_the_best_of_uniform_lengths():

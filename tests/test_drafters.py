@@ -510,6 +510,46 @@ def test_hybrid_mixes_rows_and_keeps_the_draft_kv_exact():
     assert calls == [m for m, _ in mixes if m]  # ... which only ever saw the rows it drafted for
 
 
+def test_the_hybrid_looks_up_before_the_policy_plans():
+    """With a policy, the hybrid's lookups run before the plan (`HybridDrafter.lookahead`): a row
+    the lookup drafts is planned no longer than what it found and costs no draft-model step
+    (first_fed 0), and `propose` reuses the lookups instead of searching again."""
+    pair, ids, refs = loopy()
+    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=3, gamma=4, drafter="hybrid:ngram",
+                                           adaptive=True, debug=True))
+    hybrid, policy = engine.drafter, engine.policy
+    hybrid.gate = ModelGate(explore_every=0)  # the model drafts every row without a match
+    rounds, finds = [], [0]
+    lookahead, plan, find = hybrid.lookahead, policy.plan, hybrid.lookup.find
+
+    def looking(reqs, caps):
+        rounds.append({"looked": lookahead(reqs, caps), "finds": finds[0]})
+        return rounds[-1]["looked"]
+
+    def planning(alphas, caps, weights=None, first_fed=None, **kwargs):
+        rounds[-1].update(caps=list(caps), first_fed=list(first_fed))
+        return plan(alphas, caps, weights, first_fed, **kwargs)
+
+    def finding(req, limit):
+        finds[0] += 1
+        return find(req, limit)
+
+    hybrid.lookahead, policy.plan, hybrid.lookup.find = looking, planning, finding
+    outs = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [o.token_ids for o in outs] == refs
+    planned = [r for r in rounds if "caps" in r]
+    looked = [n for r in planned for n in r["looked"]]
+    assert any(looked) and None in looked  # rows the lookup drafts, and rows the model drafts
+    for r in planned:
+        for found, cap, fed in zip(r["looked"], r["caps"], r["first_fed"]):
+            if found is not None:
+                assert cap <= found and fed == 0.0
+            else:
+                assert fed >= 1.0
+    for before, after in zip(rounds, rounds[1:] + [{"finds": finds[0]}]):  # one search per row and round
+        assert after["finds"] - before["finds"] <= len(before["looked"])
+
+
 def test_the_draft_model_reports_its_catch_up():
     """`DraftProposal.caught_up`: the tokens the draft model fed beyond the 1-2 a row it drafted
     last round has unseen. The hybrid's model rows catch up after rounds the lookup served; an

@@ -76,6 +76,15 @@ def test_best_budget_keeps_the_depth_counts():
     assert seen[:5] == [(0, []), (1, [1]), (2, [1, 1]), (3, [6, 1]), (4, [6, 2])]
 
 
+def test_best_budget_feeds_no_step_for_a_row_a_lookup_drafts():
+    """first_fed[i] = 0: row i's drafts cost no draft step (a hybrid drafter's lookup has them), so
+    they are ranked by gain alone and never counted in fed."""
+    seen = []
+    best_budget(EXAMPLE, lambda total, fed: seen.append((total, list(fed))) or 1.0, 2, first_fed=[0, 1])
+    # gains taken 0.9, 0.72 (row 0), 0.5 (row 1), 0.36 (row 0), 0.25 (row 1): only row 1 feeds a step
+    assert seen[:6] == [(0, []), (1, [0]), (2, [0, 0]), (3, [1, 0]), (4, [1, 0, 0]), (5, [1, 1, 0])]
+
+
 @settings(max_examples=200, deadline=None)
 @given(rates=rows, budget=st.integers(0, 10), data=st.data())
 def test_held_drafts_are_taken_first_and_the_rest_is_optimal(rates, budget, data):

@@ -66,14 +66,23 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         if engine.num_waiting() == 0:  # draining: the batch lasts as long as its longest request
             most = max(r.remaining for r in batch)
             weights = [r.remaining / most for r in batch]
+        before = dict(timer.totals)
+        looked = None  # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its
+        # length, and a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
+        if hasattr(engine.drafter, "lookahead") and policy.may_speculate(alphas, lengths, weights, held):
+            with timer.stage("draft"):
+                looked = engine.drafter.lookahead(batch, lengths)
+            lengths = [n if f is None else min(n, f) for n, f in zip(lengths, looked)]
+            held = [min(h, n) for h, n in zip(held, lengths)] if held is not None else None
         first_fed = None
         if engine.draft_runner is not None:  # the draft model first catches up on what it has not seen:
             # a one-off cost that serves the rest of the request, so a round is charged its share
             # (the request's remaining tokens at ~2 a round)
             first_fed = [1 + (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1) * min(1.0, 2 / r.remaining)
                          for r in batch]
+            if looked is not None:
+                first_fed = [f if by is None else 0.0 for f, by in zip(first_fed, looked)]
         lengths = policy.plan(alphas, lengths, weights, first_fed, key=key, held=held)
-        before = dict(timer.totals)
     g = max(lengths)
 
     confidence, caught_up = None, 0

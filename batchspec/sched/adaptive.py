@@ -107,13 +107,13 @@ class CostModel:
             self._columns[(b, packed)] = table
         last = len(table) - 1
 
-        linear = packed and base + slope >= 0 and slope >= 0  # no step clamped at 0 (every fed[j] >= 1)
+        linear = packed and base + slope >= 0 and slope >= 0  # no step clamped at 0 (a step feeds >= 1)
 
         def seconds(total: int, fed: list[float]) -> float:
             if drafted_s is not None:
                 draft = drafted_s
-            elif linear:
-                draft = dscale * (len(fed) * base + slope * sum(fed))
+            elif linear:  # (a depth that feeds nothing runs no step)
+                draft = dscale * ((len(fed) - fed.count(0)) * base + slope * sum(fed))
             else:
                 draft = dscale * sum(max(0.0, base + slope * (n if packed else max(n, b))) for n in fed if n)
             at = total if packed else len(fed)
@@ -319,8 +319,12 @@ class AdaptivePolicy:
 
     @staticmethod
     def _fed(lengths: list[int], first_fed: list[float] | None) -> list[float]:
-        fed = [float(sum(1 for n in lengths if n > j)) for j in range(max(lengths, default=0))]
-        if fed and first_fed is not None:
+        """Tokens the draft step at each depth feeds (see `tetris.best_budget`: first_fed[i] = 0
+        for a row no draft step feeds)."""
+        first_fed = first_fed or [1.0] * len(lengths)
+        fed = [float(sum(1 for n, f in zip(lengths, first_fed) if n > j and f > 0))
+               for j in range(max(lengths, default=0))]
+        if fed:
             fed[0] = sum(f for f, n in zip(first_fed, lengths) if n > 0)
         return fed
 
@@ -428,6 +432,15 @@ class AdaptivePolicy:
             return gains
         lengths = select(gains, self.budget, held)
         return [g[:n] for g, n in zip(gains, lengths)]
+
+    def may_speculate(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
+                      held: list[int] | None = None) -> bool:
+        """Whether `plan` could speculate if no row's drafting cost a draft step (an upper bound: a
+        hybrid drafter's lookups, which bound lengths and make rows free, cost time of their own,
+        so they are done only when they can change a plain plan)."""
+        if self.cost is None or any(held or ()):
+            return True
+        return any(self._best_lengths(alphas, caps, weights, [0.0] * len(caps), held)[0])
 
     def speculates(self, rows: int) -> bool:
         """Whether a batch of `rows` fresh requests would draft at all (else the draft model's

@@ -63,11 +63,12 @@ def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[f
     the round's cost for `total` drafts, fed[j] being the tokens the draft step at depth j feeds:
     one per row drafting more than j tokens, except at depth 0, where row i feeds first_fed[i]
     (default 1: a drafter that is behind on a row catches up in its first step; such a row is
-    ranked by its gains per token fed, so it comes after rows that are cheap to start). Kept up to
-    date as the ranking is walked, so a cost is O(γ), not O(rows). held[i] (default 0): the first
-    held[i] drafts of row i are taken before the walk, whatever they are worth (rows whose length
-    must not depend on the batch); the walk ranks what follows them. Returns (lengths, tokens per
-    second).
+    ranked by its gains per token fed, so it comes after rows that are cheap to start; 0: no draft
+    step feeds row i at any depth, e.g. a hybrid drafter's lookup drafts it, and fed[j] may then
+    be 0: no step runs at that depth). Kept up to date as the ranking is walked, so a cost is
+    O(γ), not O(rows). held[i] (default 0): the first held[i] drafts of row i are taken before
+    the walk, whatever they are worth (rows whose length must not depend on the batch); the walk
+    ranks what follows them. Returns (lengths, tokens per second).
 
     Example: gains [[0.9, 0.72, 0.36], [0.5, 0.25, 0.125]], held [0, 3]: the walk starts from
     row 1's three drafts (0.875 expected tokens, fed [1, 1, 1], 3 verified) and ranks only row 0's
@@ -78,13 +79,16 @@ def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[f
     def take(i: int, j: int) -> float:  # row i verifies its draft j: the step at depth j feeds it; its gain
         if j == len(fed):
             fed.append(0)
-        fed[j] += first_fed[i] if j == 0 and first_fed is not None else 1
+        if first_fed is None:
+            fed[j] += 1
+        elif first_fed[i] > 0:  # (0: a row no draft step feeds)
+            fed[j] += first_fed[i] if j == 0 else 1
         return gains[i][j]
 
     tokens = base_tokens + sum(take(i, j) for i, n in enumerate(lengths) for j in range(n))
     start = sum(lengths)
     # a started row's first step is paid for: the rest of it is ranked by gain alone
-    scale = None if first_fed is None else [f if n == 0 else 1.0 for f, n in zip(first_fed, lengths)]
+    scale = None if first_fed is None else [f if n == 0 and f > 0 else 1.0 for f, n in zip(first_fed, lengths)]
     order = ranking([row[n:] for row, n in zip(gains, lengths)], scale)
     best_total, best_rate = 0, tokens / seconds(start, fed)
     for total, (_, i, j) in enumerate(order, start=1):
