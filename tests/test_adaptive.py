@@ -75,6 +75,27 @@ def test_may_speculate_bounds_the_plan_with_free_drafting():
     assert policy.may_speculate([0.05] * 8, [3] * 8, held=[1] + [0] * 7)  # a held row drafts anyway
 
 
+def test_gain_scale_corrects_the_estimates_by_what_was_accepted():
+    """Accepted over expected drafts, averaged over speculative rounds, scales every estimated gain
+    (within [0.5, 2]): estimates that fall short of what is accepted draft deeper, estimates that
+    promise more than is accepted fall back to plain rounds."""
+    def rounds(policy, accept_all: bool, n: int = 60):
+        for _ in range(n):
+            lengths = policy.prune([0.6] * 8, policy.plan([0.6] * 8, [3] * 8), None, 0.002)
+            accepted = lengths if accept_all else [0] * 8
+            policy.observe(accepted, lengths, None, policy.last["verify_s"], policy.last["draft_s"])
+
+    high = exact_policy(cost(), gamma_max=3, margin=1.0)
+    assert high.gain_scale() == 1.0 and high.plan([0.6] * 8, [3] * 8) == [1] * 8  # the docstring's example
+    rounds(high, accept_all=True)
+    assert 1.3 < high.gain_scale() <= 2.0
+    assert sum(high.plan([0.6] * 8, [3] * 8)) > 8  # deeper than γ_i = 1
+    low = exact_policy(cost(), gamma_max=3)  # (speculates only when 5 % faster)
+    assert low.plan([0.6] * 8, [3] * 8) == [1] * 8
+    rounds(low, accept_all=False, n=5)  # (plain rounds once the scale is low: no more is measured)
+    assert low.gain_scale() < 0.7 and low.plan([0.6] * 8, [3] * 8) == [0] * 8
+
+
 def test_plan_is_the_best_of_uniform_lengths():
     """The per-row plan is at least as good (by the model) as every fixed γ."""
     c = cost(draft=0.004, v1=0.020, v4=0.050)

@@ -527,8 +527,10 @@ def test_the_hybrid_looks_up_before_the_policy_plans():
         return rounds[-1]["looked"]
 
     def planning(alphas, caps, weights=None, first_fed=None, **kwargs):
-        rounds[-1].update(caps=list(caps), first_fed=list(first_fed))
-        return plan(alphas, caps, weights, first_fed, **kwargs)
+        lengths = plan(alphas, caps, weights, first_fed, **kwargs)
+        if "looked" in rounds[-1] and "caps" not in rounds[-1]:  # a plain plan from lookups is not kept:
+            rounds[-1].update(caps=list(caps), first_fed=list(first_fed), kept=policy._memo)  # they change
+        return lengths
 
     def finding(req, limit):
         finds[0] += 1
@@ -541,6 +543,7 @@ def test_the_hybrid_looks_up_before_the_policy_plans():
     looked = [n for r in planned for n in r["looked"]]
     assert any(looked) and None in looked  # rows the lookup drafts, and rows the model drafts
     for r in planned:
+        assert r["kept"] is None
         for found, cap, fed in zip(r["looked"], r["caps"], r["first_fed"]):
             if found is not None:
                 assert cap <= found and fed == 0.0
@@ -548,6 +551,18 @@ def test_the_hybrid_looks_up_before_the_policy_plans():
                 assert fed >= 1.0
     for before, after in zip(rounds, rounds[1:] + [{"finds": finds[0]}]):  # one search per row and round
         assert after["finds"] - before["finds"] <= len(before["looked"])
+
+
+def test_the_hybrids_lookups_serve_only_the_round_they_were_made_for():
+    """`lookahead` says what the lookup found (row 0: C A B after A B; row 1: no match, so the
+    model's) and keeps it for the next `propose` of the same rows at the same lengths only: a plan
+    that then drafts nothing leaves lookups that must not pass for the next round's."""
+    hybrid = HybridDrafter(None, NgramDrafter(CPU, 1, 3, 4))
+    rows = [request([A, B, C, A, B], 0), request([A, B, C, D, E], 1)]
+    assert hybrid.lookahead(rows, [3, 3]) == [3, None]
+    assert hybrid._found == (hybrid._key(rows), [[C, A, B], []])
+    rows[0].token_ids.append(C)  # a plain round committed a token
+    assert hybrid._found[0] != hybrid._key(rows)
 
 
 def test_the_draft_model_reports_its_catch_up():
