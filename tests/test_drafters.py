@@ -565,6 +565,17 @@ def test_the_hybrids_lookups_serve_only_the_round_they_were_made_for():
     assert hybrid._found[0] != hybrid._key(rows)
 
 
+def test_a_gate_that_keeps_the_model_off_still_explores_it_under_a_policy():
+    """Rows without a match get no draft (0) while the gate says the model does not pay; those
+    rounds count as skipped, so after `explore_every` of them the model is tried again (None)."""
+    hybrid = HybridDrafter(None, NgramDrafter(CPU, 1, 3, 4))
+    hybrid.gate = ModelGate(explore_every=2)
+    hybrid.gate.record(10.0, 1.0, (0.1, 1.0))  # rounds make 10 tokens a second, the model 0.1
+    row = [request([A, B, C, D, E], 0)]
+    assert hybrid.lookahead(row, [3]) == [0] and hybrid.lookahead(row, [3]) == [0]
+    assert hybrid.lookahead(row, [3]) == [None]  # explored
+
+
 def test_the_draft_model_reports_its_catch_up():
     """`DraftProposal.caught_up`: the tokens the draft model fed beyond the 1-2 a row it drafted
     last round has unseen. The hybrid's model rows catch up after rounds the lookup served; an

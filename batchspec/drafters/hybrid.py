@@ -121,6 +121,8 @@ class HybridDrafter:
         found = [self.lookup.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)]
         self._found = (self._key(reqs), found)
         model = self.gate.use()
+        if not model and any(c > 0 and not f and r.params.greedy for f, c, r in zip(found, caps, reqs)):
+            self.gate.skip()  # (counted here, as `propose` never sees these rows: the gate explores again)
         return [len(f) if f else None if c > 0 and (model or not r.params.greedy) else 0
                 for f, c, r in zip(found, caps, reqs)]
 

@@ -21,13 +21,16 @@ D and V come from a short profile at start-up (`profile_costs`, a few forwards p
 cached per model, device, dtype and thread count) interpolated linearly in rows and columns, and
 are corrected online by the ratio of measured to predicted stage times (an exponential average).
 α_i starts from the pair's running acceptance and follows the request's own record; a rate resting
-on few drafts gets an optimism bonus (`_bonus`), so a pessimistic prior is tried and corrected.
-When no request waits, rows are weighed by the work they have left (`plan`), and a drafter that
-is behind on a row has its catch-up priced (`first_fed`); the round that does the catch-up is
-then left out of the draft scale and the guard (a one-off, not what speculating costs). Plain and
-speculative rounds are timed whole and corrected apart, and a `SpecGuard` corrects per batch size
-what the global scales miss: where speculative rounds take longer than predicted relative to
-plain ones, speculating must be predicted that much faster (with rare explorations).
+on few drafts gets an optimism bonus (`_bonus`), so a pessimistic prior is tried and corrected;
+every estimated gain is then scaled by accepted over expected drafts in recent speculative rounds
+(`gain_scale`), which corrects what the estimates get wrong on the whole. When no request
+waits, rows are weighed by the work they have left (`plan`), and a drafter that is behind on a
+row has its catch-up priced (`first_fed`); the round that does the catch-up is then left out of
+the draft scale and the guard (a one-off, not what speculating costs). A row a hybrid drafter's
+lookup drafts costs no draft step (first_fed 0; `drafters/hybrid.py`). Plain and speculative
+rounds are timed whole and corrected apart, and a `SpecGuard` corrects per batch size what the
+global scales miss: where speculative rounds take longer than predicted relative to plain ones,
+speculating must be predicted that much faster (with rare explorations).
 
 Example, b = 8, D = 2 ms, V(8, n) = 20 + 4 (n - 1) ms (0.5 ms per verified draft), every α = 0.6
 (later rates 0.6 too): plain decoding 8 tokens / 20 ms = 400 tok/s; every row drafting 1 token
