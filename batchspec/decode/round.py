@@ -82,9 +82,10 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
                          for r in batch]
             if looked is not None:
                 first_fed = [f if by is None else 0.0 for f, by in zip(first_fed, looked)]
-        # (a plain plan is kept for the same requests (`plain_now`) unless it rests on lookups,
-        # which change every round)
-        lengths = policy.plan(alphas, lengths, weights, first_fed, key=key if looked is None else None, held=held)
+        # a plain plan is kept for the same requests (`plain_now`), but not one made because no
+        # lookup found anything: that changes from round to round
+        keep = looked is None or any(lengths)
+        lengths = policy.plan(alphas, lengths, weights, first_fed, key=key if keep else None, held=held)
     g = max(lengths)
 
     confidence, caught_up = None, 0
