@@ -56,3 +56,13 @@ batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,2,8,32 -
 SERVERS="ar spec adaptive hf" ./scripts/serve_bench.sh docs/results/serve_wave5
 # Wave 5, again: the serving table over three runs (medians).
 SERVERS="ar spec hf" REPEAT=3 ./scripts/serve_bench.sh docs/results/serve_wave5_r3
+# Wave 6: the adaptive policy after the hybrid's lookahead and the gain scale (wave6_adaptive.json was run
+# with --repeat 3 one commit before the final code).
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 2 --json docs/results/wave6_adaptive_final.json
+for w in plain echo twice; do
+  g=8; [ "$w" = plain ] && g=4
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters ngram,suffix,hybrid \
+    --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma "$g" --workload "$w" \
+    --json "docs/results/wave6_adaptive_$w.json"
+done
