@@ -510,15 +510,22 @@ def test_hybrid_mixes_rows_and_keeps_the_draft_kv_exact():
     assert calls == [m for m, _ in mixes if m]  # ... which only ever saw the rows it drafted for
 
 
-def test_the_hybrid_looks_up_before_the_policy_plans():
+@pytest.mark.parametrize("model", [True, False])
+def test_the_hybrid_looks_up_before_the_policy_plans(model):
     """With a policy, the hybrid's lookups run before the plan (`HybridDrafter.lookahead`): a row
     the lookup drafts is planned no longer than what it found and costs no draft-model step
-    (first_fed 0), and `propose` reuses the lookups instead of searching again."""
+    (first_fed 0), and `propose` reuses the lookups instead of searching again. With the model
+    kept off, rounds in which no lookup finds anything are plain, and that plan is not kept for
+    the next rounds (`plain_now`)."""
     pair, ids, refs = loopy()
-    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=3, gamma=4, drafter="hybrid:ngram",
-                                           adaptive=True, debug=True))
+    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=3 if model else 1, gamma=4,
+                                           drafter="hybrid:ngram", adaptive=True, debug=True))
     hybrid, policy = engine.drafter, engine.policy
-    hybrid.gate = ModelGate(explore_every=0)  # the model drafts every row without a match
+    if model:
+        hybrid.gate = ModelGate(explore_every=0)  # the model drafts every row without a match
+    else:
+        hybrid.gate = ModelGate(explore_every=10 ** 9)
+        hybrid.gate.record(10.0, 1.0, (0.0, 1.0))  # the model never pays: unmatched rows draft nothing
     rounds, finds = [], [0]
     lookahead, plan, find = hybrid.lookahead, policy.plan, hybrid.lookup.find
 
@@ -541,7 +548,7 @@ def test_the_hybrid_looks_up_before_the_policy_plans():
     assert [o.token_ids for o in outs] == refs
     planned = [r for r in rounds if "caps" in r]
     looked = [n for r in planned for n in r["looked"]]
-    assert any(looked) and None in looked  # rows the lookup drafts, and rows the model drafts
+    assert any(looked) and (None if model else 0) in looked  # rows the lookup drafts, and the others
     for r in planned:
         assert r["kept"] is None or any(r["caps"])  # a plain plan because no lookup found anything is not kept
         for found, cap, fed in zip(r["looked"], r["caps"], r["first_fed"]):
@@ -549,6 +556,7 @@ def test_the_hybrid_looks_up_before_the_policy_plans():
                 assert cap <= found and fed == 0.0
             else:
                 assert fed >= 1.0
+    assert model or any(not any(r["caps"]) for r in planned)  # (such rounds happened)
     for before, after in zip(rounds, rounds[1:] + [{"finds": finds[0]}]):  # one search per row and round
         assert after["finds"] - before["finds"] <= len(before["looked"])
 
