@@ -54,6 +54,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     policy = engine.policy  # adaptive lengths and TETRIS budgets (sched/adaptive.py), or None: fixed γ
     key = tuple(map(id, batch))  # the requests in this round, for the policy's shortcut to a plain round
     held = None  # seeded sampled rows keep their fixed-γ length (see the module docstring)
+    looked = None  # a hybrid drafter's lookups, done before the plan (below)
     if policy is not None and not sampling.all_greedy:
         held = [n if r.params.seed is not None and not r.params.greedy else 0 for r, n in zip(batch, lengths)]
         held = held if any(held) else None
@@ -67,8 +68,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             most = max(r.remaining for r in batch)
             weights = [r.remaining / most for r in batch]
         before = dict(timer.totals)
-        looked = None  # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its
-        # length, and a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
+        # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
+        # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
         if hasattr(engine.drafter, "lookahead") and policy.may_speculate(alphas, lengths, weights, held):
             with timer.stage("draft"):
                 looked = engine.drafter.lookahead(batch, lengths)
@@ -121,8 +122,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         tokens = result.tokens.tolist()
 
     target.commit(batch, [1 + a for a in accepted])  # the newest token and the accepted drafts
-    if g > 0:  # (the drafter ran, even if it found nothing to propose or nothing was verified)
-        engine.drafter.observe(batch, accepted)
+    if g > 0 or looked is not None:  # the drafter ran (a hybrid's lookups count), even if it found
+        engine.drafter.observe(batch, accepted)  # nothing to propose or nothing was verified
     stats.rounds += 1
     stats.row_rounds += len(batch)
     stats.idle_rows += target.stats.idle_rows - idle_before

@@ -19,15 +19,15 @@ Example, γ = 3, rows r0 r1 r2, r1 with a 2-token lookup proposal:
              lengths [3, 2, 3]   q [3, 3, V]: r1's rows one-hot at its tokens (point masses)
     observe(accepted [1, 2, 0])  the model commits for r0 and r2 only
 
-The draft model runs only while it earns its time (`ModelGate`): the tokens it gets accepted per
-second it costs (its steps plus its share of the verify pass) must reach the tokens per second of
-the rounds as a whole; otherwise the rows without a match are not drafted (a lookup-only round),
-with a model round now and then to keep the measurement fresh (less often while it keeps
-failing). So on prompts the lookup copies well, or at batch sizes where a draft step costs more
-than it brings, the hybrid falls back to its better part instead of paying for the worse one.
-The gate reads the clock, so it decides for greedy rows only (whose output it cannot change); a
-sampled row without a match always gets the draft model, so a seeded request draws the same text
-whatever the timing.
+The draft model runs only while it earns its time (`ModelGate`): rounds in which it drafts the
+rows without a match must make more tokens per second than rounds in which those rows go
+undrafted (one token each); otherwise they are not drafted, with a model round now and then to
+keep the measurement fresh (less often while it keeps failing), and while it pays, a round
+without it now and then for the same reason. So on prompts the lookup copies well, or at batch
+sizes where a draft step costs more than it brings, the hybrid falls back to its better part
+instead of paying for the worse one. The gate reads the clock, so it decides for greedy rows only
+(whose output it cannot change); a sampled row without a match always gets the draft model, so a
+seeded request draws the same text whatever the timing.
 
 With an adaptive policy (`sched/adaptive.py`) the lookups run before the plan (`lookahead`, only
 when free drafting could make the round speculative): a row the lookup has a proposal for is
@@ -52,42 +52,60 @@ LOOKUP = "suffix"  # what `--drafter hybrid` is built on
 
 
 class ModelGate:
-    """Whether the draft model's tokens are worth their time, from exponential averages per round.
+    """Whether the draft model should draft the rows the lookup has nothing for, from exponential
+    averages of tokens and seconds per round, kept apart for the two ways such a round can go:
+    the model drafts those rows (`model`), or they go undrafted and make one token each
+    (`without`). The model runs while its rounds make at least the tokens per second of the
+    others. Rounds in which every row had a match say nothing either way and are not recorded.
 
-    Adding work that takes c seconds and yields y tokens to rounds that make T tokens in S seconds
-    raises the rate iff y / c > T / S (and then y / c > (T + y) / (S + c) too, so comparing against
-    rounds measured with the model in them decides the same). Example: rounds of 3 tokens in 10 ms
-    (300 tok/s); the model's rows yield 0.8 accepted tokens for 4 ms of draft steps and verify
-    share (200 tok/s): skip it, and explore it again after `explore_every` rounds without it, then
-    after twice as many each time exploring shows it still does not pay (at most `max_wait`
-    rounds), so a model that never pays costs next to nothing in the long run.
+    Comparing with the rounds the model would replace, not with all rounds: at batch 1 a round
+    without a match makes 1 token in 6.5 ms (154 tok/s) and one the model drafts 2.2 in 13 ms
+    (170 tok/s), so the model pays there, while against the rounds as a whole (lookup rounds
+    included, 300 tok/s) it would never run; the lookup's rounds happen whichever way the others go.
+
+    Exploration: after `wait` rounds without the model it is tried again, then after twice as
+    many each time it still does not pay (at most `max_wait` rounds); while it pays, a round without
+    it is run after `probe` rounds with it, doubling the same way, so that side stays measured too.
+    Example, explore_every 16: the model measured at 120 tok/s and the rounds without it at 150:
+    skip it for 16 rounds, try it once; still 120: skip 32, then 64, ... 512.
     """
 
     def __init__(self, weight: float = 0.1, explore_every: int = 16, max_wait: int = 512) -> None:
         self.weight, self.explore_every, self.max_wait = weight, explore_every, max_wait
         self.wait = explore_every  # rounds without the model before it is tried again
-        self.round: list[float] | None = None  # [tokens, seconds] per round
-        self.model: list[float] | None = None  # [accepted tokens, seconds] per round the model ran
-        self.skipped = 0
+        self.probe = explore_every  # rounds with the model before one without it
+        self.model: list[float] | None = None  # [tokens, seconds] per round the model drafted
+        self.without: list[float] | None = None  # [tokens, seconds] per round such rows went undrafted
+        self.skipped = 0  # rounds without the model since it last drafted
+        self.used = 0  # rounds with the model since the last one recorded without it
 
     def use(self) -> bool:
-        if self.round is None or self.model is None or self.skipped >= self.wait:
-            return True
-        return self.pays()
+        if self.model is None or self.skipped >= self.wait:
+            return True  # measure it, or explore it again
+        if self.without is None:
+            return False  # measure the other side
+        return self.pays() and self.used < self.probe
 
     def pays(self) -> bool:
-        return self.model is not None and self.round is not None and \
-            self.model[0] * self.round[1] >= self.round[0] * self.model[1]
+        return self.model is not None and self.without is not None and \
+            self.model[0] * self.without[1] >= self.without[0] * self.model[1]
 
-    def record(self, tokens: float, seconds: float, model: tuple[float, float] | None) -> None:
-        self.round = self._mix(self.round, (tokens, seconds))
-        if model is not None:
-            explored = self.skipped >= self.wait
-            self.model, self.skipped = self._mix(self.model, model), 0
+    def record(self, tokens: float, seconds: float, drafted: bool) -> None:
+        """A round with rows the lookup had nothing for: `drafted`, the model drafted them."""
+        if drafted:
+            explored = self.model is not None and self.skipped >= self.wait
+            self.model, self.skipped, self.used = self._mix(self.model, (tokens, seconds)), 0, self.used + 1
             if self.pays():
                 self.wait = self.explore_every
             elif explored:
                 self.wait = min(self.max_wait, 2 * self.wait)
+        else:
+            probed = self.without is not None and self.used >= self.probe
+            self.without, self.used = self._mix(self.without, (tokens, seconds)), 0
+            if not self.pays():
+                self.probe = self.explore_every
+            elif probed:
+                self.probe = min(self.max_wait, 2 * self.probe)
 
     def skip(self) -> None:
         self.skipped += 1
@@ -106,8 +124,11 @@ class HybridDrafter:
         self.label = "hybrid:" + lookup.label
         self._model_rows: list[int] = []  # rows the draft model drafted for this round
         self.gate = ModelGate()
-        self._round: tuple[float, float, list[int]] | None = None  # this round: (start, model seconds, lengths)
-        self._found: tuple[tuple, list[list[int]]] | None = None  # `lookahead`'s (rows, lookups)
+        # this round, for the gate: (start, seconds of the model's catch-up, whether the model drafted
+        # the rows without a match: None when there were none, or the gate had no say)
+        self._round: tuple[float, float, bool | None] | None = None
+        # `lookahead`'s (rows, lookups, start, what the gate decided for the rows without a match)
+        self._found: tuple[tuple, list[list[int]], float, bool | None] | None = None
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         self.lookup.prefill(reqs, ends)  # the draft model catches up when it first drafts a row
@@ -118,11 +139,16 @@ class HybridDrafter:
         draft, 0 for a row nothing drafts (no match, and the gate keeps the model off greedy
         rows). The next `propose` for the same rows reuses these lookups, each cut to its row's
         planned length."""
+        start = time.perf_counter()
         found = [self.lookup.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)]
-        self._found = (self._key(reqs), found)
         model = self.gate.use()
+        self._round = None
         if not model and any(c > 0 and not f and r.params.greedy for f, c, r in zip(found, caps, reqs)):
-            self.gate.skip()  # (counted here, as `propose` never sees these rows: the gate explores again)
+            # (counted and timed from here: `propose` never sees these rows, and is not even called
+            # when the round ends up plain; `observe` is)
+            self.gate.skip()
+            self._round = (start, 0.0, False)
+        self._found = (self._key(reqs), found, start, False if self._round else None)
         return [len(f) if f else None if c > 0 and (model or not r.params.greedy) else 0
                 for f, c, r in zip(found, caps, reqs)]
 
@@ -136,25 +162,28 @@ class HybridDrafter:
                 sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
         start = time.perf_counter()
         caps = lengths if lengths is not None else [gamma] * len(reqs)
-        looked, self._found = self._found, None
+        looked, self._found, skipped = self._found, None, None
         if looked is not None and looked[0] == self._key(reqs):
             found = [f[:c] for f, c in zip(looked[1], caps)]
+            start, skipped = looked[2], looked[3]  # the round began with the lookups
         else:
             found = [self.lookup.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)]
         device = self.model.runner.device
         tokens = torch.tensor([f + [0] * (gamma - len(f)) for f in found], dtype=torch.long, device=device)
         rows = self._model_rows = [i for i, (f, c) in enumerate(zip(found, caps)) if c > 0 and not f]
+        decided = True if rows else skipped  # for the gate: see `_round`
         if rows and not self.gate.use():
             self.gate.skip()
             # a sampled row keeps the model: its draws then depend on its own tokens and seed only,
             # never on the clock, so a seeded request samples the same text every time
             rows = self._model_rows = [i for i in rows if not reqs[i].params.greedy]
+            decided = None if rows else False
         if not rows:
-            self._round = (start, 0.0, [len(f) for f in found])
+            self._round = (start, 0.0, decided)
             return DraftProposal(tokens, None, [len(f) for f in found])
         # what a row's catch-up (its prompt, or a stretch the n-gram drafted) costs is a one-off that
-        # says little about later rounds: the gate charges the model its drafting share of the time
-        # only, pro rata of the tokens fed (a row fed once normally has 1 or 2 tokens unseen)
+        # says little about later rounds: the gate leaves its share of the model's time out of the
+        # round, pro rata of the tokens fed (a row fed once normally has 1 or 2 tokens unseen)
         name = self.model.runner.name
         drafting = sum(caps[i] for i in rows)
         catch_up = sum(max(0, reqs[i].num_tokens - reqs[i].kv_len.get(name, 0) - 2) for i in rows)
@@ -174,7 +203,7 @@ class HybridDrafter:
         lengths = [len(f) for f in found]
         for i, c in zip(rows, sub_caps):
             lengths[i] = c
-        self._round = (start, (time.perf_counter() - model_start) * drafting / (drafting + catch_up), lengths)
+        self._round = (start, (time.perf_counter() - model_start) * catch_up / (drafting + catch_up), decided)
         return DraftProposal(tokens, probs, lengths, caught_up=drafted.caught_up)
 
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:
@@ -183,15 +212,10 @@ class HybridDrafter:
             self.model.observe([reqs[i] for i in rows], [accepted[i] for i in rows])
         if self._round is None:
             return
-        start, model_s, lengths = self._round
+        start, catch_up_s, drafted = self._round
         self._round = None
-        seconds = time.perf_counter() - start  # draft + verify of this round
-        fed = len(reqs) + sum(lengths)
-        per_token = max(0.0, seconds - model_s) / fed  # the verify pass's cost per token it fed
-        model = None
-        if rows:  # what the model's rows gained, and what they cost: its steps and their verify share
-            model = (sum(accepted[i] for i in rows), model_s + per_token * sum(lengths[i] for i in rows))
-        self.gate.record(len(reqs) + sum(accepted), seconds, model)
+        if drafted is not None:  # draft + verify of this round; a catch-up serves later rounds
+            self.gate.record(len(reqs) + sum(accepted), time.perf_counter() - start - catch_up_s, drafted)
 
     def release(self, req: Request) -> None:
         self.model.release(req)
