@@ -3,7 +3,11 @@
 For every cell (method x batch size x γ x drafter, plus the transformers peers) the same
 seeded workload is generated after an untimed warm-up; `--repeat` rounds are interleaved
 (cells in forward order, then reverse, A B B A ...) so a machine whose speed drifts favours no
-one, and medians are reported. Ratios are always between cells measured in the same run.
+one, and medians are reported. Ratios are always between cells measured in the same run, and
+paired: the median over repeats of a cell's tokens/s over its baseline's in the same repeat (the
+cells of one batch size run next to each other, so a slow minute of a shared machine falls on
+both sides of a pair). Example, 3 repeats, autoregressive 400 / 300 / 410 tok/s and a cell 420 /
+330 / 400: ratios 1.05, 1.10, 0.98, speed-up 1.05 (the medians' ratio, 410 / 400, would say 1.025).
 A drafter that learns across requests (suffix's shared trie) forgets before each run: otherwise
 a repeat would draft from the answers of the same prompts in the run before it.
 """
@@ -183,12 +187,21 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
     tps = {c: [r.tokens / r.seconds for r in rs] for c, rs in runs.items()}
     med = {c: statistics.median(v) for c, v in tps.items()}
 
-    def base(method: str, bs: int, gamma=None, forward="auto", refill="continuous") -> float | None:
+    def base(method: str, bs: int, gamma=None, forward="auto", refill="continuous") -> Cell | None:
         for c in med:
             if (c.method == method and c.batch_size == bs and (gamma is None or c.gamma == gamma)
                     and (c.forward or "auto") == forward and (c.refill or "continuous") == refill):
-                return med[c]
+                return c
         return None
+
+    def ratio(cell: Cell, baseline: Cell | None) -> float | None:
+        """Median of the per-repeat ratios (see the module doc); the medians' ratio if the two
+        cells do not have a run in every repeat alike."""
+        if baseline is None:
+            return None
+        if len(tps[cell]) == len(tps[baseline]):
+            return statistics.median(a / b for a, b in zip(tps[cell], tps[baseline]))
+        return med[cell] / med[baseline]
 
     rows = []
     for cell, rs in runs.items():
@@ -207,11 +220,12 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
             "synthetic": bool(cell.drafter and drafter_spec(cell.drafter).synthetic),
             "tokens": middle.tokens, "seconds": middle.seconds,
             "tokens_per_s": med[cell], "tokens_per_s_min": min(tps[cell]), "tokens_per_s_max": max(tps[cell]),
+            "tokens_per_s_runs": tps[cell],  # per repeat, in order: what the paired ratios divide
             "repeats": len(rs),
-            "speedup": med[cell] / ar_same if ar_same else None,
-            "speedup_vs_bs1": med[cell] / ar_bs1 if ar_bs1 else None,
-            "vs_hf_generate": med[cell] / hf_same if ours and hf_same else None,
-            "vs_hf_assisted": med[cell] / hf_assist if ours and hf_assist else None,
+            "speedup": ratio(cell, ar_same),
+            "speedup_vs_bs1": ratio(cell, ar_bs1),
+            "vs_hf_generate": ratio(cell, hf_same) if ours else None,
+            "vs_hf_assisted": ratio(cell, hf_assist) if ours else None,
             "peak_memory_mb": max(r.peak_memory_mb for r in rs),
         }
         stats = middle.stats
