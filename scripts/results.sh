@@ -66,3 +66,14 @@ for w in plain echo twice; do
     --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma "$g" --workload "$w" \
     --json "docs/results/wave6_adaptive_$w.json"
 done
+# Wave 7: the hybrid's gate weighs the model against the rounds it replaces; speed-ups paired per repeat.
+for w in plain twice; do
+  g=8; [ "$w" = plain ] && g=4
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,suffix,hybrid \
+    --gamma "$g" --workload "$w" --num-prompts 24 --max-new-tokens 64 --repeat 3 --json "docs/results/wave7_hybrid_$w.json"
+done
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/wave7_adaptive.json
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters ngram,suffix,hybrid \
+  --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
+  --json docs/results/wave7_adaptive_echo.json
