@@ -545,7 +545,8 @@ def test_the_hybrid_looks_up_before_the_policy_plans(model):
     the lookup drafts is planned no longer than what it found and costs no draft-model step
     (first_fed 0), and `propose` reuses the lookups instead of searching again. With the model
     kept off, rounds in which no lookup finds anything are plain, and that plan is not kept for
-    the next rounds (`plain_now`)."""
+    the next rounds (`plain_now`); the gate is told of every round whose unmatched rows it kept
+    undrafted, plain ones included (`run_round` calls `observe` after a lookahead)."""
     pair, ids, refs = loopy()
     engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=3 if model else 1, gamma=4,
                                            drafter="hybrid:ngram", adaptive=True, debug=True))
@@ -554,12 +555,16 @@ def test_the_hybrid_looks_up_before_the_policy_plans(model):
         hybrid.gate = ModelGate(explore_every=0)  # the model drafts every row without a match
     else:
         hybrid.gate = never_pays(ModelGate(explore_every=10 ** 9))  # unmatched rows draft nothing
-    rounds, finds = [], [0]
-    lookahead, plan, find = hybrid.lookahead, policy.plan, hybrid.lookup.find
+    rounds, finds, undrafted = [], [0], []
+    lookahead, plan, find, record = hybrid.lookahead, policy.plan, hybrid.lookup.find, hybrid.gate.record
 
     def looking(reqs, caps):
-        rounds.append({"looked": lookahead(reqs, caps), "finds": finds[0]})
+        rounds.append({"looked": lookahead(reqs, caps), "finds": finds[0], "asked": list(caps)})
         return rounds[-1]["looked"]
+
+    def recording(tokens, seconds, drafted):
+        undrafted.append(not drafted)
+        return record(tokens, seconds, drafted)
 
     def planning(alphas, caps, weights=None, first_fed=None, **kwargs):
         lengths = plan(alphas, caps, weights, first_fed, **kwargs)
@@ -571,7 +576,7 @@ def test_the_hybrid_looks_up_before_the_policy_plans(model):
         finds[0] += 1
         return find(req, limit)
 
-    hybrid.lookahead, policy.plan, hybrid.lookup.find = looking, planning, finding
+    hybrid.lookahead, policy.plan, hybrid.lookup.find, hybrid.gate.record = looking, planning, finding, recording
     outs = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))
     assert [o.token_ids for o in outs] == refs
     planned = [r for r in rounds if "caps" in r]
@@ -585,6 +590,9 @@ def test_the_hybrid_looks_up_before_the_policy_plans(model):
             else:
                 assert fed >= 1.0
     assert model or any(not any(r["caps"]) for r in planned)  # (such rounds happened)
+    # the gate hears of every round whose unmatched rows it kept undrafted, plain ones included
+    skipped = [any(n == 0 and c > 0 for n, c in zip(r["looked"], r["asked"])) for r in rounds]
+    assert sum(undrafted) == sum(skipped) and (model or sum(undrafted) > 0)
     for before, after in zip(rounds, rounds[1:] + [{"finds": finds[0]}]):  # one search per row and round
         assert after["finds"] - before["finds"] <= len(before["looked"])
 
