@@ -619,6 +619,38 @@ def test_a_gate_that_keeps_the_model_off_still_explores_it_under_a_policy():
     assert hybrid.lookahead(row, [3]) == [None]  # explored
 
 
+def test_the_gate_counts_a_round_it_kept_the_model_off_once():
+    """Under a policy the gate decides in `lookahead`; `propose` then drafts the sampled rows it
+    could not keep off (seeded ones, held at their length) without asking again, so a round counts
+    once toward the next exploration and, mixing model rows and undrafted ones, is recorded on
+    neither side."""
+    pair, ids, refs = loopy()
+    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=4, gamma=3, drafter="hybrid:ngram",
+                                           adaptive=True))
+    hybrid = engine.drafter
+    hybrid.gate = never_pays(ModelGate(explore_every=10 ** 9))
+    events, record, observe = [[]], hybrid.gate.record, hybrid.observe  # per round: what the gate heard
+    hybrid.gate.skip = lambda: events[-1].append("skip")
+    hybrid.gate.record = lambda tokens, seconds, drafted: events[-1].append(drafted) or record(tokens, seconds, drafted)
+
+    def observing(reqs, accepted):
+        model_rows = list(hybrid._model_rows)
+        observe(reqs, accepted)
+        events[-1].append(("model rows", len(model_rows), len(reqs)))
+        events.append([])
+
+    hybrid.observe = observing
+    params = [SamplingParams(max_new_tokens=MAX_NEW) if i % 2 else
+              SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=request_seed(4, i)) for i in range(len(ids))]
+    outs = engine.generate(ids, params)
+    assert [o.token_ids for o, p in zip(outs, params) if p.greedy] == [r for r, p in zip(refs, params) if p.greedy]
+    rounds = [e for e in events if e]
+    assert all(e.count("skip") <= 1 for e in rounds)  # one skip per round at most
+    mixed = [e for e in rounds if "skip" in e and e[-1][1] > 0]  # greedy rows kept off, sampled ones drafted
+    assert mixed and not any(True in e or False in e for e in mixed)  # ... recorded on neither side
+    assert any(False in e for e in rounds)  # rounds with every unmatched row undrafted are recorded
+
+
 def test_the_draft_model_reports_its_catch_up():
     """`DraftProposal.caught_up`: the tokens the draft model fed beyond the 1-2 a row it drafted
     last round has unseen. The hybrid's model rows catch up after rounds the lookup served; an

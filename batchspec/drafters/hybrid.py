@@ -171,8 +171,10 @@ class HybridDrafter:
         device = self.model.runner.device
         tokens = torch.tensor([f + [0] * (gamma - len(f)) for f in found], dtype=torch.long, device=device)
         rows = self._model_rows = [i for i, (f, c) in enumerate(zip(found, caps)) if c > 0 and not f]
-        decided = True if rows else skipped  # for the gate: see `_round`
-        if rows and not self.gate.use():
+        # for the gate (see `_round`); after a lookahead the gate has decided already: rows it kept
+        # off have no length left, and the model rows left (sampled ones) make a mixed round
+        decided = (None if skipped is False else True) if rows else skipped
+        if rows and skipped is None and not self.gate.use():
             self.gate.skip()
             # a sampled row keeps the model: its draws then depend on its own tokens and seed only,
             # never on the clock, so a seeded request samples the same text every time
