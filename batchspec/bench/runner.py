@@ -7,7 +7,7 @@ one, and medians are reported. Ratios are always between cells measured in the s
 paired: the median over repeats of a cell's tokens/s over its baseline's in the same repeat (the
 cells of one batch size run next to each other, so a slow minute of a shared machine falls on
 both sides of a pair). Example, 3 repeats, autoregressive 400 / 300 / 410 tok/s and a cell 420 /
-330 / 400: ratios 1.05, 1.10, 0.98, speed-up 1.05 (the medians' ratio, 410 / 400, would say 1.025).
+330 / 400: ratios 1.05, 1.10, 0.98, speed-up 1.05 (the medians' ratio, 400 / 400, would say 1.00).
 A drafter that learns across requests (suffix's shared trie) forgets before each run: otherwise
 a repeat would draft from the answers of the same prompts in the run before it.
 """
