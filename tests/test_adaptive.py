@@ -66,6 +66,39 @@ def test_round_seconds_is_draft_plus_verify(b, packed, data, scales, drafts):
     assert done(total, fed) == pytest.approx(0.5 + policy.verify_s(b, total, deepest))
 
 
+def ragged_cost(token_s: float | None) -> CostModel:
+    """32 rows, 1 to 5 columns, as measured on the bundled target (`CostModel`'s docstring)."""
+    return CostModel(rows=(1, 32), cols=(1, 5), verify_s={(1, 1): 0.005, (1, 5): 0.008, (32, 1): 0.0255,
+                                                          (32, 5): 0.0666}, draft_s={1: 0.001, 32: 0.001},
+                     token_s=token_s)
+
+
+def test_a_packed_pass_costs_by_its_longest_row():
+    """`CostModel.ragged`: one row fed 5 tokens next to 31 fed 1 costs the full pass less 0.26 ms
+    per token not fed (34.4 ms; measured 34.6), far above its tokens' worth (26.8); the same 4
+    drafts spread over 4 rows cost less; every row full is the profile; no drafts is a plain
+    pass. Without token_s the profile's own slope per token is used: cost by tokens alone."""
+    c = ragged_cost(0.26e-3)
+    assert c.ragged(32, 4, 4) == pytest.approx(0.0666 - 0.26e-3 * (32 * 4 - 4))
+    assert c.ragged(32, 4, 1) < c.ragged(32, 4, 4)
+    assert c.ragged(32, 128, 4) == pytest.approx(0.0666) and c.ragged(32, 0, 0) == pytest.approx(0.0255)
+    assert c.ragged(32, 1, 1) >= c.ragged(32, 0, 0)
+    by_tokens = ragged_cost(None)
+    for total in range(4, 129):
+        assert by_tokens.ragged(32, total, 4) == pytest.approx(by_tokens.verify(32, 1 + total / 32))
+
+
+def test_one_deep_row_does_not_pay_for_a_wide_pass():
+    """32 rows, one whose lookup drafts for free at α 0.99, the others at 0.05: by tokens alone its
+    4 drafts look worth a round (35.9 tokens in 26.8 ms against 32 in 25.5), but the pass they
+    make 5 columns wide costs 34.4 ms: a plain round."""
+    alphas, caps, free = [0.99] + [0.05] * 31, [4] * 32, [0.0] * 32
+    by_tokens = exact_policy(ragged_cost(None), gamma_max=4, prior=0.99, margin=1.0)
+    assert by_tokens.plan(alphas, caps, first_fed=free) == [4] + [0] * 31
+    policy = exact_policy(ragged_cost(0.26e-3), gamma_max=4, prior=0.99, margin=1.0)
+    assert policy.plan(alphas, caps, first_fed=free) == [0] * 32
+
+
 def test_may_speculate_bounds_the_plan_with_free_drafting():
     """A hybrid's lookups are done only when the plan could speculate were drafting free."""
     policy = exact_policy(cost(draft=0.5), gamma_max=3, margin=1.0)

@@ -15,6 +15,7 @@ so a wrong KV entry would show.
 from __future__ import annotations
 
 import functools
+import time
 
 import pytest
 import torch
@@ -672,6 +673,67 @@ def test_the_draft_model_reports_its_catch_up():
     assert [o.token_ids for o in outs] == refs
     assert all(expected == got for expected, got in seen)
     assert any(got > 0 for _, got in seen) and any(got == 0 for _, got in seen)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "suffix"])
+def test_a_lookup_counts_indexing_beyond_a_round_as_catch_up(kind):
+    """`LookupDrafter.catch_up_s`: a lookup after a round's worth of new tokens (at most 1 + its
+    cap) counts nothing; one after a stretch no round looked up (or of a new prompt) counts the
+    share beyond that; the suffix drafter's intake of finished requests counts whole."""
+    drafter = NgramDrafter(CPU, 2, 3, 4) if kind == "ngram" else SuffixDrafter(CPU, depth=6, k=4)
+    r = request([A, B, C, D, A, B] * 50, index=1)
+    drafter.find(r, 4)  # a 300-token prompt, indexed at once
+    counted = drafter.catch_up_s
+    assert counted > 0
+    for step in ([C, D, A], [B, C], [D, A, B, C, D]):  # 3, 2, 5 new tokens: a round's worth at cap 4
+        r.append(step)
+        drafter.find(r, 4)
+    assert drafter.catch_up_s == counted
+    r.append([C, D] * 100)  # 100 rounds no lookup read
+    drafter.find(r, 4)
+    assert drafter.catch_up_s > counted
+    if kind == "suffix":
+        done = request([E, D, C, B, A] * 200, index=2)
+        done.finish_reason = FinishReason.LENGTH
+        drafter.release(done)
+        counted = drafter.catch_up_s
+        r.append([A])
+        drafter.find(r, 4)  # one new token; the shared trie takes the finished request in
+        assert drafter.catch_up_s > counted
+
+
+def test_a_lookups_catch_up_is_not_what_a_round_costs():
+    """A round's lookup catch-up serves later rounds: the policy's draft time and the gate's round
+    time leave it out (`run_round`, `HybridDrafter._clock`). Here every lookup takes 30 ms, all
+    counted as catch-up: counted in, every round that looks up would measure > 30 ms."""
+    pair, ids, refs = loopy()
+    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=3, gamma=4, drafter="hybrid:ngram",
+                                           adaptive=True))
+    hybrid, policy = engine.drafter, engine.policy
+    hybrid.gate = ModelGate(explore_every=0)  # the model drafts every row without a match
+    lookup, heard, timed, finds = hybrid.lookup, [], [], [0]
+    find, observe, record = lookup.find, policy.observe, hybrid.gate.record
+
+    def finding(req, limit):
+        finds[0] += 1
+        start = time.perf_counter()
+        time.sleep(0.03)
+        lookup.catch_up_s += time.perf_counter() - start
+        return find(req, limit)
+
+    def observing(accepted, verified, confidence, verify_s, draft_s, caught_up=False):
+        heard.append(draft_s)
+        return observe(accepted, verified, confidence, verify_s, draft_s, caught_up)
+
+    def recording(tokens, seconds, drafted):
+        timed.append(seconds)
+        return record(tokens, seconds, drafted)
+
+    lookup.find, policy.observe, hybrid.gate.record = finding, observing, recording
+    outs = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))
+    assert [o.token_ids for o in outs] == refs
+    assert finds[0] > 0 and heard and timed
+    assert max(heard) < 0.03 and max(timed) < 0.03
 
 
 # ------------------------------------------------------------------------------------- sampling

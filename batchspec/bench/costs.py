@@ -28,9 +28,13 @@ def ideal_speedup(alpha: float, gamma: int, c: float, v: float) -> float:
     return tokens / (gamma * c + v)
 
 
-def step_time(model, batch: int, context: int, tokens: int, repeats: int = 7, forward: str = "auto") -> float:
+def step_time(model, batch: int, context: int, tokens: int, repeats: int = 7, forward: str = "auto",
+              first: int | None = None) -> float:
     """Median seconds of one forward of `tokens` tokens per row over a `context`-token KV cache,
-    through the forward the engine runs (`batchspec.core.forward`)."""
+    through the forward the engine runs (`batchspec.core.forward`); with `first`, row 0 is fed
+    that many tokens and every other row `tokens` (a ragged pass)."""
+    counts = [tokens] * batch if first is None else [first] + [tokens] * (batch - 1)
+    tokens = max(counts)
     run = make_forward(model, forward)
     layers, heads, head_dim = kv_shape(model)
     capacity = context + tokens
@@ -42,7 +46,7 @@ def step_time(model, batch: int, context: int, tokens: int, repeats: int = 7, fo
     positions, visible = row_inputs([context] * batch, tokens, capacity, model.device)
     times = []
     for i in range(repeats + 2):
-        rows = RowBatch(kv, list(range(batch)), [context] * batch, [tokens] * batch)
+        rows = RowBatch(kv, list(range(batch)), [context] * batch, counts)
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
         start = time.perf_counter()
@@ -69,9 +73,11 @@ MODEL_FREE_STEP_S = 30e-6  # a model-free drafter's Python work per row per draf
 def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], context: int = 128,
                   forward: str = "auto", repeats: int = 5) -> dict:
     """Seconds of a verify pass at rows x cols and of a draft step at each of `rows`, through the
-    engine's forward, for the adaptive policy (`sched.adaptive.CostModel`). A few forwards per grid
-    point; cached per model, device, dtype, thread count and grid. Without a draft model (a
-    model-free drafter) a draft step is priced at MODEL_FREE_STEP_S per row, corrected online."""
+    engine's forward, for the adaptive policy (`sched.adaptive.CostModel`), and `token_s`: what a
+    pass at the larger rows and the last column saves per token its other rows are not fed (one
+    row fed them all, the rest 1 each). A few forwards per grid point; cached per model, device,
+    dtype, thread count and grid. Without a draft model (a model-free drafter) a draft step is
+    priced at MODEL_FREE_STEP_S per row, corrected online."""
     key = (id(target), id(draft), str(target.device), str(target.dtype), torch.get_num_threads(), rows, cols,
            context, forward)
     if key not in _PROFILES:
@@ -80,8 +86,13 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
             for j, n in enumerate(cols):
                 verify[(b, n)] = max([verify[(b, n)]] + ([verify[(rows[i - 1], n)]] if i else [])
                                      + ([verify[(b, cols[j - 1])]] if j else []))
+        b, n, token_s = rows[-1], cols[-1], None
+        if b > 1 and n > 1:
+            saved = verify[(b, n)] - step_time(target, b, context, 1, repeats, forward, first=n)
+            token_s = max(0.0, saved / ((b - 1) * (n - 1)))
         _PROFILES[key] = {
             "verify_s": verify,
+            "token_s": token_s,
             "draft_s": {b: step_time(draft, b, context, 1, repeats, forward) if draft is not None
                         else MODEL_FREE_STEP_S * b for b in rows},
         }

@@ -124,7 +124,7 @@ class HybridDrafter:
         self.label = "hybrid:" + lookup.label
         self._model_rows: list[int] = []  # rows the draft model drafted for this round
         self.gate = ModelGate()
-        # this round, for the gate: (start, seconds of the model's catch-up, whether the model drafted
+        # this round, for the gate: (start by `_clock`, seconds of the model's catch-up, whether the model drafted
         # the rows without a match: None when there were none, or the gate had no say)
         self._round: tuple[float, float, bool | None] | None = None
         # `lookahead`'s (rows, lookups, start, what the gate decided for the rows without a match)
@@ -139,7 +139,7 @@ class HybridDrafter:
         draft, 0 for a row nothing drafts (no match, and the gate keeps the model off greedy
         rows). The next `propose` for the same rows reuses these lookups, each cut to its row's
         planned length."""
-        start = time.perf_counter()
+        start = self._clock()
         found = [self.lookup.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)]
         model = self.gate.use()
         self._round = None
@@ -160,7 +160,7 @@ class HybridDrafter:
 
     def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
                 sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
-        start = time.perf_counter()
+        start = self._clock()
         caps = lengths if lengths is not None else [gamma] * len(reqs)
         looked, self._found, skipped = self._found, None, None
         if looked is not None and looked[0] == self._key(reqs):
@@ -214,10 +214,19 @@ class HybridDrafter:
             self.model.observe([reqs[i] for i in rows], [accepted[i] for i in rows])
         if self._round is None:
             return
-        start, catch_up_s, drafted = self._round
+        start, model_catch_up_s, drafted = self._round
         self._round = None
         if drafted is not None:  # draft + verify of this round; a catch-up serves later rounds
-            self.gate.record(len(reqs) + sum(accepted), time.perf_counter() - start - catch_up_s, drafted)
+            self.gate.record(len(reqs) + sum(accepted), self._clock() - start - model_catch_up_s, drafted)
+
+    @property
+    def catch_up_s(self) -> float:
+        """The lookup's indexing beyond what a round adds, in total (see `LookupDrafter`)."""
+        return self.lookup.catch_up_s
+
+    def _clock(self) -> float:
+        """Seconds that stand still while the lookup catches up: the gate times rounds by it."""
+        return time.perf_counter() - self.lookup.catch_up_s
 
     def release(self, req: Request) -> None:
         self.model.release(req)

@@ -35,6 +35,7 @@ whatever other requests did before it.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from ..core.request import FinishReason, Request
@@ -87,11 +88,14 @@ class SuffixDrafter(LookupDrafter):
         until a round reads the trie: where no round drafts (an adaptive policy running plain
         rounds at a large batch size) it is never paid. The result is the trie eager adding
         gives: the newest requests that fit in max_tokens, added in the order they finished."""
-        if self._stale:
-            self._shared, self._stale = SharedTrie(self.depth, self.max_tokens), False
-        while self._finished:
-            self._shared.add(self._finished.popleft())
-        self._waiting = 0
+        if self._finished:  # (a one-off per finished request: `catch_up_s`)
+            start = time.perf_counter()
+            if self._stale:
+                self._shared, self._stale = SharedTrie(self.depth, self.max_tokens), False
+            while self._finished:
+                self._shared.add(self._finished.popleft())
+            self._waiting = 0
+            self.catch_up_s += time.perf_counter() - start
         return self._shared
 
     def _learn(self, tokens: list[int]) -> None:
@@ -117,7 +121,7 @@ class SuffixDrafter(LookupDrafter):
         """(proposed tokens, match length m) for one request; ([], 0) without a match."""
         tokens, own = req.token_ids, self.trie(req)
         shared = self.shared if req.params.greedy else None  # a sampled row reads its own tokens only
-        own.extend(tokens)
+        self._catch_up(lambda: own.extend(tokens), len(tokens) - own.upto, limit + 1)
         limit = min(self.k, limit)
         longest = min(self.depth - limit, len(tokens))
         shortest = MIN_MATCH - 1  # (exclusive)

@@ -6,9 +6,10 @@ accepted: acceptance comes in runs), so verifying d_i1..d_ij adds G_ij = rate_1 
 tokens to the one token every row commits anyway. A round in which row i drafts γ_i tokens costs
 
     draft   Σ_j D(b_j)         one draft step per depth j, feeding the b_j rows drafting >= j tokens
-    verify  V(b, 1 + Σγ_i / b) one target pass over b rows; the lean forward computes only real
-                               tokens, so it costs by the tokens verified (without it, by the longest
-                               row: V(b, 1 + max γ_i), and the policy is told `packed=False`)
+    verify  V(b, 1 + max γ_i)  one target pass over b rows as wide as the longest row, less what the
+      - s (b max γ_i - Σγ_i)   rows fed fewer tokens save (s per token): the lean forward computes only
+                               real tokens, but its attention runs at the longest row's width (without
+                               it nothing is saved, s = 0, and the policy is told `packed=False`)
 
 `plan` ranks every (row, position) by G_ij (TETRIS, `sched/tetris.py`) and keeps the prefix of that
 ranking with the most tokens per second; all γ_i = 0 is a plain decoding round (no draft step at
@@ -26,13 +27,16 @@ every estimated gain is then scaled by accepted over expected drafts in recent s
 (`gain_scale`), which corrects what the estimates get wrong on the whole. When no request
 waits, rows are weighed by the work they have left (`plan`), and a drafter that is behind on a
 row has its catch-up priced (`first_fed`); the round that does the catch-up is then left out of
-the draft scale and the guard (a one-off, not what speculating costs). A row a hybrid drafter's
+the draft scale and the guard (a one-off, not what speculating costs); a lookup drafter's catch-up
+on tokens no round looked up is taken out of the round's draft time the same way (`run_round`,
+`LookupDrafter.catch_up_s`). A row a hybrid drafter's
 lookup drafts costs no draft step (first_fed 0; `drafters/hybrid.py`). Plain and speculative
 rounds are timed whole and corrected apart, and a `SpecGuard` corrects per batch size what the
 global scales miss: where speculative rounds take longer than predicted relative to plain ones,
 speculating must be predicted that much faster (with rare explorations).
 
-Example, b = 8, D = 2 ms, V(8, n) = 20 + 4 (n - 1) ms (0.5 ms per verified draft), every α = 0.6
+Example, b = 8, D = 2 ms, V(8, n) = 20 + 4 (n - 1) ms, s = 0.5 ms (so 0.5 ms per verified draft
+in any row: a cost linear in tokens; `CostModel` has a measured one where it is not), every α = 0.6
 (later rates 0.6 too): plain decoding 8 tokens / 20 ms = 400 tok/s; every row drafting 1 token
 8 x 1.6 / (2 + 24) ms = 492 tok/s; 2 tokens 8 x 1.96 / 32 ms = 490; 3 tokens 458 -> γ_i = 1.
 Rows at α = 0.95 next to rows at α = 0.1: the first four draft 2 tokens, the others none. Every
@@ -58,22 +62,46 @@ class CostModel:
     {b0, b1} x columns (1, 2, ..., γ + 1), interpolated (and extrapolated) linearly in rows and
     piecewise linearly in columns, times online corrections. Every column is profiled because the
     cost is far from linear in them on a CPU: one token per row runs matrix-vector products, two
-    already pay most of what four do (measured at batch 1: 8.5, 12.8, 14 ms for 1, 2, 4 tokens)."""
+    already pay most of what four do (measured at batch 1: 8.5, 12.8, 14 ms for 1, 2, 4 tokens).
+
+    A packed pass (`ragged`: rows fed different numbers of tokens, only real ones computed) costs
+    the pass at its longest row's columns less `token_s` per token the other rows are not fed: its
+    attention and bookkeeping run at the longest row's width whatever the others verify. Measured
+    at 32 rows, 160 keys: plain 25.5 ms, one row fed 2 tokens 31.5, one row fed 5 34.6, all fed 5
+    66.6 (token_s 0.26 ms); by tokens alone the pass with one row at 5 would cost 26.8. Profiled at
+    b1 rows and taken as constant in rows (0.31, 0.26, 0.21 ms at 8, 32, 64 rows); without it
+    (None), the profile's own slope per token, as if the cost grew with tokens alone."""
 
     rows: tuple[int, int]
     cols: tuple[int, ...]
     verify_s: dict[tuple[int, int], float]  # (rows, cols) -> seconds
     draft_s: dict[int, float]  # rows -> seconds of one draft step
+    token_s: float | None = None  # seconds a packed pass saves per token a row is fed below the longest
     verify_scale: float = 1.0  # measured / profiled, rounds that verify drafts
     plain_scale: float = 1.0  # ... plain rounds (one token per row)
     draft_scale: float = 1.0
     _cached_b: int | None = field(default=None, repr=False, compare=False)
     _cached: list[float] = field(default_factory=list, repr=False, compare=False)
-    _columns: dict = field(default_factory=dict, repr=False, compare=False)  # (b, packed) -> see round_seconds
+    _columns: dict = field(default_factory=dict, repr=False, compare=False)  # b -> see round_seconds
 
     def verify(self, b: int, n: float) -> float:
+        """A pass feeding every row n tokens."""
         scale = self.plain_scale if n <= 1 else self.verify_scale
         return max(1e-6, scale * self.profiled(b, n))
+
+    def ragged(self, b: int, total: int, deepest: int) -> float:
+        """A packed pass over b rows verifying `total` drafts, the longest row `deepest` of them."""
+        if deepest == 0:
+            return self.verify(b, 1)
+        unscaled = self.profiled(b, 1 + deepest) - self.saving(b) * (b * deepest - total)
+        return max(1e-6, self.verify_scale * max(self.profiled(b, 1), unscaled))
+
+    def saving(self, b: int) -> float:
+        """Seconds saved per token a row of a packed pass is not fed (see the class docstring)."""
+        if self.token_s is not None:
+            return self.token_s
+        at, cols = self._at_rows(b), self.cols
+        return max(0.0, (at[-1] - at[0]) / ((cols[-1] - cols[0]) * b)) if cols[-1] > cols[0] else 0.0
 
     def profiled(self, b: int, n: float) -> float:
         """V(b, n) as profiled, without the online corrections."""
@@ -96,19 +124,17 @@ class CostModel:
     def round_seconds(self, b: int, packed: bool = True, drafted_s: float | None = None) -> Callable:
         """seconds(total, fed) of a round over b rows: a draft step per depth j feeding fed[j]
         tokens (`draft`, of max(fed[j], b) rows when not packed), or `drafted_s` when the drafting
-        is done, plus a verify pass of `total` drafts, the longest row len(fed) deep (`verify`, at
-        1 + total / b columns when packed). The same numbers as those methods, with what depends on
-        b read once: a plan calls it for every draft it ranks (hundreds at 32 rows)."""
+        is done, plus a verify pass of `total` drafts, the longest row len(fed) deep (`ragged`, or
+        `verify` at 1 + len(fed) columns when not packed). The same numbers as those methods, with
+        what depends on b read once: a plan calls it for every draft it ranks (hundreds at 32 rows)."""
         b0, b1 = self.rows
         slope = (self.draft_s[b1] - self.draft_s[b0]) / (b1 - b0) if b1 != b0 else 0.0
         base, dscale = self.draft_s[b0] - slope * b0, self.draft_scale
         plain, spec = max(1e-6, self.plain_scale * self.profiled(b, 1)), self.verify_scale
-        table = self._columns.get((b, packed))
-        if table is None:  # unscaled V for every total (packed) or every depth (not)
-            most = b * (self.cols[-1] - 1) if packed else self.cols[-1] - 1
-            table = [self.profiled(b, 1 + (t / b if packed else t)) for t in range(most + 1)]
-            self._columns[(b, packed)] = table
-        last = len(table) - 1
+        table = self._columns.get(b)
+        if table is None:  # unscaled V at every depth
+            table = self._columns[b] = [self.profiled(b, 1 + d) for d in range(self.cols[-1])]
+        last, save, floor = len(table) - 1, self.saving(b), table[0]
 
         linear = packed and base + slope >= 0 and slope >= 0  # no step clamped at 0 (a step feeds >= 1)
 
@@ -119,10 +145,12 @@ class CostModel:
                 draft = dscale * ((len(fed) - fed.count(0)) * base + slope * sum(fed))
             else:
                 draft = dscale * sum(max(0.0, base + slope * (n if packed else max(n, b))) for n in fed if n)
-            at = total if packed else len(fed)
-            if at == 0:
+            deepest = len(fed)
+            if total == 0:
                 return draft + plain
-            unscaled = table[at] if at <= last else self.profiled(b, 1 + (at / b if packed else at))
+            unscaled = table[deepest] if deepest <= last else self.profiled(b, 1 + deepest)
+            if packed:
+                unscaled = max(floor, unscaled - save * (b * deepest - total))
             return draft + max(1e-6, spec * unscaled)
 
         return seconds
@@ -325,7 +353,7 @@ class AdaptivePolicy:
     # ------------------------------------------------------------------ costs
     def verify_s(self, rows: int, total: int, deepest: int) -> float:
         """A verify pass over `rows` rows verifying `total` drafts, the longest row `deepest`."""
-        return self.cost.verify(rows, 1 + (total / rows if self.packed else deepest))
+        return self.cost.ragged(rows, total, deepest) if self.packed else self.cost.verify(rows, 1 + deepest)
 
     def draft_s(self, rows: int, fed: list[float]) -> float:
         """A draft step per depth j feeding fed[j] tokens (one per row drafting more than j, and
