@@ -52,9 +52,11 @@ MAX_PREFILL = typer.Option(2048, "--max-prefill-tokens", help="Prompt-token slot
                                                               "are prefilled in chunks between decoding rounds)")
 
 
-ADAPTIVE = typer.Option(False, "--adaptive", help="Choose each row's draft length (0..gamma) every round from "
-                                                   "measured costs and acceptance (profiles the models for a few "
-                                                   "seconds first); seeded sampled requests keep fixed gamma")
+ADAPTIVE = typer.Option(True, "--adaptive/--no-adaptive",
+                        help="Choose each row's draft length (0..gamma) every round from measured costs and "
+                             "acceptance (the default: profiles the models for about a second the first time, "
+                             "cached on disk); --no-adaptive: every row drafts gamma. Seeded sampled requests keep "
+                             "fixed gamma")
 RAY = typer.Option(None, "--ray", metavar="ADDRESS",
                    help="Run on Ray (needs batchspec[ray]): 'local' starts a Ray instance on this machine, 'auto' "
                         "joins the cluster this machine belongs to, or a cluster address (ray://HOST:10001, "
@@ -74,7 +76,7 @@ BUDGET = typer.Option(None, "--budget", help="TETRIS: verify at most this many d
                                              "drafts, counted first")
 
 
-def engine_options(refill: str, max_kv_tokens: int | None, max_prefill_tokens: int, adaptive: bool = False,
+def engine_options(refill: str, max_kv_tokens: int | None, max_prefill_tokens: int, adaptive: bool = True,
                    budget: int | None = None) -> dict:
     """The serving options every command passes to EngineConfig alike."""
     return dict(refill=refill, max_kv_tokens=max_kv_tokens, max_prefill_tokens=max_prefill_tokens, adaptive=adaptive,
@@ -357,8 +359,8 @@ def bench(
     refill: str = typer.Option("continuous", "--refill", help="Comma-separated: continuous, none (the paper's fixed "
                                                               "batches)"),
     max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL,
-    adaptive: str = typer.Option("off", "--adaptive", help="Comma-separated for eqspec/exspec: off (fixed γ), on "
-                                                           "(γ chosen per round, at most --gamma)"),
+    adaptive: str = typer.Option("on", "--adaptive", help="Comma-separated for eqspec/exspec: on (γ chosen per "
+                                                          "round, at most --gamma; the default), off (fixed γ)"),
     budget: str = typer.Option("none", "--budget", help="Comma-separated TETRIS budgets for eqspec/exspec: none, "
                                                         "24 (drafts verified per round) or 2x (2 x batch size)"),
     peers: str = typer.Option("", "--peers", help="'hf' adds transformers generate / assisted generation"),

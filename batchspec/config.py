@@ -58,7 +58,7 @@ class EngineConfig:
     refill: str = "continuous"
     max_kv_tokens: int | None = None
     max_prefill_tokens: int = 2048
-    adaptive: bool = False
+    adaptive: bool = True
     budget: int | None = None
     debug: bool = False
     profile: bool = False

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ["BATCHSPEC_CACHE"] = "off"  # no step-cost profiles written to the user's cache (bench/cost_cache.py)
 
 TEXT = """def add(a, b):
     return a + b

@@ -200,7 +200,8 @@ def test_acceptance_estimate_moves_from_the_prior_to_the_record():
 
 
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])
-@pytest.mark.parametrize("options", [dict(adaptive=True), dict(budget=5), dict(adaptive=True, budget=3)])
+@pytest.mark.parametrize("options", [dict(adaptive=True), dict(adaptive=False, budget=5),
+                                     dict(adaptive=True, budget=3)])
 def test_adaptive_and_budgets_keep_greedy_exact(method, options):
     p = pair("llama", "perturbed")
     ids = prompts(16, seed=7)
@@ -344,3 +345,33 @@ def test_held_rows_draft_whatever_the_plan_and_the_others_are_planned_around_the
     budgeted = AdaptivePolicy(None, gamma_max=3, budget=2)
     assert budgeted.prune([0.9] * 3, [3, 3, 3], None, 0.0, held=[0, 0, 3]) == [0, 0, 3]
     assert budgeted.prune([0.9] * 3, [3, 3, 3], None, 0.0, held=[0, 0, 1]) in ([1, 0, 1], [0, 1, 1])
+
+
+def test_step_cost_profiles_are_kept_on_disk(tmp_path, monkeypatch):
+    """A profile is measured once per machine (`bench/cost_cache.py`): with the in-memory cache
+    emptied (a new process), it is read back from `BATCHSPEC_CACHE`, the same numbers; an
+    unreadable file is measured again; `off` writes nothing."""
+    from batchspec.bench import costs
+
+    p = pair("llama", "perturbed")
+    calls, step_time = [], costs.step_time
+    monkeypatch.setattr(costs, "step_time", lambda *a, **k: calls.append(1) or step_time(*a, **k))
+    monkeypatch.setattr(costs, "_PROFILES", {})
+    monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path))
+
+    def profile():
+        costs._PROFILES.clear()
+        return costs.profile_costs(p.target, p.draft, (1, 2), (1, 2), repeats=1)
+
+    first = profile()
+    measured = len(calls)
+    files = list((tmp_path / "profiles").iterdir())
+    assert measured > 0 and len(files) == 1 and first["token_s"] is not None
+    assert profile() == first and len(calls) == measured  # read back, nothing measured
+    files[0].write_text("{not json")
+    profile()
+    assert len(calls) == 2 * measured
+    files[0].unlink()
+    monkeypatch.setenv("BATCHSPEC_CACHE", "off")
+    profile()
+    assert len(calls) == 3 * measured and not list((tmp_path / "profiles").iterdir())

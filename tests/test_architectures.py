@@ -112,7 +112,7 @@ def test_every_method_and_batch_size_is_exact(arch, method):
     pair, ids, refs = workload(arch)
     ref_map = {tuple(i): r for i, r in zip(ids, refs)}
     for bs in (1, 3, 8):
-        config = EngineConfig(drafter="draft_model", method=method, batch_size=bs, gamma=4, debug=True)
+        config = EngineConfig(drafter="draft_model", adaptive=False, method=method, batch_size=bs, gamma=4, debug=True)
         engine = SpecEngine(pair, config)
         outs = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))
         assert [o.token_ids for o in outs] == refs, f"{arch} {method} bs={bs} draft model"

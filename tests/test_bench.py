@@ -25,7 +25,8 @@ def report(tiny_dirs):
     ids = [pair.tokenizer(p)["input_ids"] for p in PROMPTS]
     params = [SamplingParams(max_new_tokens=10)] * len(ids)
     return run_bench(pair, ids, params, methods=["autoregressive", "eqspec", "exspec"], batch_sizes=[1, 2],
-                     gammas=[2], drafters=["draft_model", "oracle:0.5"], peers=True, repeat=2)
+                     gammas=[2], drafters=["draft_model", "oracle:0.5"], peers=True, repeat=2,
+                     adaptives=[False])  # fixed γ: the step costs and the analytic limit are about it
 
 
 def test_json_schema(report):
@@ -119,7 +120,7 @@ def test_forward_rows_compare_within_their_forward(tiny_dirs):
     ids = [pair.tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
     params = [SamplingParams(max_new_tokens=6)] * len(ids)
     report = run_bench(pair, ids, params, methods=["autoregressive", "eqspec"], batch_sizes=[2], gammas=[2],
-                       peers=True, forwards=["auto", "hf"])
+                       peers=True, forwards=["auto", "hf"], adaptives=[False])
     rows = {r["method"]: r for r in report["results"]}
     assert set(rows) == {"autoregressive", "autoregressive[hf]", "eqspec", "eqspec[hf]", "hf_generate"}
     for name, base in (("eqspec", "autoregressive"), ("eqspec[hf]", "autoregressive[hf]"),
@@ -167,7 +168,8 @@ def test_cli_bench_and_verify(tiny_dirs, tmp_path):
                                  "--gamma", "2", "--peers", "hf", "--json", str(out), "--plots", str(tmp_path / "pl")])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert {r["method"] for r in data["results"]} == {"autoregressive", "eqspec", "hf_generate", "hf_assisted"}
+    assert {r["method"] for r in data["results"]} == {"autoregressive", "eqspec[adaptive]", "hf_generate",
+                                                      "hf_assisted"}  # adaptive by default
     assert {p.name for p in (tmp_path / "pl").iterdir()} == {"throughput.png", "speedup.png", "time_share.png",
                                                              "acceptance.png"}
     vout = tmp_path / "verify.json"

@@ -395,7 +395,7 @@ def test_hybrid_drops_a_draft_model_that_does_not_pay():
     """A draft model whose proposals are never accepted stops running (but for exploration rounds),
     and the output stays the target's."""
     pair, ids, refs = loopy()
-    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=2, gamma=3, drafter="hybrid"))
+    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=2, gamma=3, drafter="hybrid", adaptive=False))
     hybrid = engine.drafter
     hybrid.gate = ModelGate(explore_every=1000)
     model_propose, calls = hybrid.model.propose, []
@@ -500,7 +500,7 @@ def test_greedy_output_is_exact_with_adaptive_lengths_and_budgets(drafter):
 def test_eos_accepted_inside_a_copied_span():
     pair, ids, refs = loopy()
     free = ModelPair(pair.target, None, None, pair.vocab_size, pair.eos_token_ids)
-    engine = SpecEngine(free, EngineConfig(method="eqspec", batch_size=4, gamma=4, drafter="ngram"))
+    engine = SpecEngine(free, EngineConfig(method="eqspec", batch_size=4, gamma=4, drafter="ngram", adaptive=False))
     engine.drafter = recorder = Recorder(engine.drafter)
     outs = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))
     assert [o.token_ids for o in outs] == refs
@@ -513,7 +513,8 @@ def test_hybrid_mixes_rows_and_keeps_the_draft_kv_exact():
     """Rows switch between n-gram and draft-model drafting from round to round; the draft model
     drafts only for its rows and catches up on the tokens it did not see."""
     pair, ids, refs = loopy()
-    engine = SpecEngine(pair, EngineConfig(method="exspec", batch_size=2, gamma=3, drafter="hybrid", debug=True))
+    engine = SpecEngine(pair, EngineConfig(method="exspec", batch_size=2, gamma=3, drafter="hybrid", debug=True,
+                                           adaptive=False))  # (every round drafts: no plan reads the clock)
     hybrid = engine.drafter
     assert isinstance(hybrid, HybridDrafter)
     hybrid.gate = ModelGate(explore_every=0)  # the model drafts for every row without a match (no timing involved)
@@ -657,7 +658,8 @@ def test_the_draft_model_reports_its_catch_up():
     last round has unseen. The hybrid's model rows catch up after rounds the lookup served; an
     adaptive policy leaves such rounds out of its measurements (sched/adaptive.py)."""
     pair, ids, refs = loopy()
-    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=3, gamma=3, drafter="hybrid:ngram"))
+    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=3, gamma=3, drafter="hybrid:ngram",
+                                           adaptive=False))
     engine.drafter.gate = ModelGate(explore_every=0)  # the model drafts every row without a match
     model, seen = engine.drafter.model, []
     propose = model.propose

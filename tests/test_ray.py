@@ -27,7 +27,8 @@ from batchspec.ray.output import COLUMNS, OutputFile  # noqa: E402
 from batchspec.sampling import request_seed  # noqa: E402
 
 NUM_PROMPTS, MAX_NEW = 8, 16
-CONFIG = dict(method="eqspec", gamma=3, batch_size=4, drafter="draft_model")  # per-request stats compared exactly
+CONFIG = dict(method="eqspec", gamma=3, batch_size=4, drafter="draft_model",
+              adaptive=False)  # per-request stats compared exactly (an adaptive plan reads the clock)
 
 
 class DiesOnce(BatchSpecPredictor):

@@ -59,6 +59,7 @@ def sampled(sp: SamplingParams, method: str, batch_size: int, gamma: int, seed: 
     requests without a seed (a policy plans their draft lengths; a seeded row is held at fixed γ),
     made repeatable by seeding Python's generator, which draws their generators' seeds."""
     target, draft = models()
+    config.setdefault("adaptive", False)  # fixed γ unless a test asks for the policy
     engine = SpecEngine(ModelPair(target, draft, None, V, ()),
                         EngineConfig(drafter="draft_model",
                                      method=method, batch_size=batch_size, gamma=gamma, **config))

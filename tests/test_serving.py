@@ -195,7 +195,7 @@ def test_stream_iterator_and_early_close():
 
 def test_oracle_drafter_through_step():
     p, ids, refs = workload()
-    engine = SpecEngine(p, EngineConfig(method="eqspec", batch_size=4, gamma=3, drafter="oracle:0.6"))
+    engine = SpecEngine(p, EngineConfig(method="eqspec", batch_size=4, gamma=3, drafter="oracle:0.6", adaptive=False))
     rids = [engine.add_request(i, SamplingParams(max_new_tokens=MAX_NEW)) for i in ids[:5]]
     outs = {}
     drive(engine, outs)

@@ -13,7 +13,7 @@ from .runner import Bench, Cell, measure_costs, plan, summarize
 
 def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, gammas, drafters=("draft_model",),
               peers: bool = False, repeat: int = 1, windows=("4x",), forwards=("auto",), refills=("continuous",),
-              adaptives=(False,), budgets=("none",), sort_by_length=False, profile=False, progress=None,
+              adaptives=(True,), budgets=("none",), sort_by_length=False, profile=False, progress=None,
               engine_options: dict | None = None) -> dict:
     """Run the grid and return the JSON-ready report: {machine, config, notes, results}."""
     cells, notes = plan(list(methods), list(batch_sizes), list(gammas), list(drafters), peers, list(windows),

@@ -21,6 +21,7 @@ import torch
 from ..core.forward import make_forward
 from ..core.rows import RowBatch, RowKV
 from ..core.runner import kv_shape, row_inputs
+from . import cost_cache
 
 
 def ideal_speedup(alpha: float, gamma: int, c: float, v: float) -> float:
@@ -76,10 +77,17 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
     engine's forward, for the adaptive policy (`sched.adaptive.CostModel`), and `token_s`: what a
     pass at the larger rows and the last column saves per token its other rows are not fed (one
     row fed them all, the rest 1 each). A few forwards per grid point; cached per model, device,
-    dtype, thread count and grid. Without a draft model (a model-free drafter) a draft step is
-    priced at MODEL_FREE_STEP_S per row, corrected online."""
+    dtype, thread count and grid, in memory and on disk (`cost_cache.py`). Without a draft model (a
+    model-free drafter) a draft step is priced at MODEL_FREE_STEP_S per row, corrected online."""
     key = (id(target), id(draft), str(target.device), str(target.dtype), torch.get_num_threads(), rows, cols,
            context, forward)
+    path = None
+    if key not in _PROFILES:
+        path = cost_cache.profile_path(target, draft, {"rows": rows, "cols": cols, "context": context,
+                                                       "forward": forward, "repeats": repeats})
+        cached = cost_cache.load(path)
+        if cached is not None:
+            _PROFILES[key] = cached
     if key not in _PROFILES:
         verify = {(b, n): step_time(target, b, context, n, repeats, forward) for b in rows for n in cols}
         for i, b in enumerate(rows):  # a noisy machine can time a bigger pass faster: more never costs less
@@ -96,4 +104,5 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
             "draft_s": {b: step_time(draft, b, context, 1, repeats, forward) if draft is not None
                         else MODEL_FREE_STEP_S * b for b in rows},
         }
+        cost_cache.save(path, _PROFILES[key])
     return _PROFILES[key]

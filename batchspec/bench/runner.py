@@ -84,7 +84,7 @@ def budget_size(spec: str, batch_size: int) -> int | None:
 
 def plan(methods: list[str], batch_sizes: list[int], gammas: list[int], drafters: list[str],
          peers: bool, windows: list[str] = ("4x",), forwards: list[str] = ("auto",),
-         refills: list[str] = ("continuous",), adaptives: list[bool] = (False,),
+         refills: list[str] = ("continuous",), adaptives: list[bool] = (True,),
          budgets: list[str] = ("none",)) -> tuple[list[Cell], list[str]]:
     """The grid, ordered so our methods and the peers alternate; plus notes on what was left out.
     budgets: "none" (no TETRIS budget), "24" (24 verified drafts per round) or "2x" (2 x batch size)."""

@@ -1,0 +1,76 @@
+"""Step-cost profiles on disk, so an adaptive engine profiles a model once per machine, not once
+per process (`costs.profile_costs` keeps them in memory too).
+
+A profile's cost depends on the architecture, not on the weights: the key is each model's config
+(name and path left out), dtype, device (the GPU's name on CUDA), thread count, CPU, torch version
+and the profile's grid. Files go under `$BATCHSPEC_CACHE` (default `$XDG_CACHE_HOME/batchspec` or
+`~/.cache/batchspec`); `BATCHSPEC_CACHE=off` turns the disk cache off (the test suite does). A
+profile is written whole or not at all (a temporary file renamed), and a folder that cannot be
+written is not an error: the engine profiles again next time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+CACHE_ENV = "BATCHSPEC_CACHE"
+
+
+def cache_dir() -> Path | None:
+    root = os.environ.get(CACHE_ENV)
+    if root == "off":
+        return None
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "batchspec"
+
+
+def _model(model) -> dict | None:
+    if model is None:
+        return None
+    config = {k: v for k, v in model.config.to_dict().items() if not k.startswith("_") and k != "name_or_path"}
+    device = model.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    return {"config": config, "dtype": str(model.dtype), "device": f"{device.type}:{name}"}
+
+
+def profile_path(target, draft, grid: dict) -> Path | None:
+    """Where the profile of `target` and `draft` (None: a model-free drafter) on `grid` is kept."""
+    root = cache_dir()
+    if root is None:
+        return None
+    key = {"target": _model(target), "draft": _model(draft), "grid": grid, "threads": torch.get_num_threads(),
+           "torch": torch.__version__, "cpus": os.cpu_count()}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return root / "profiles" / f"{digest}.json"
+
+
+def load(path: Path | None) -> dict | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return {"verify_s": {(b, n): s for b, n, s in data["verify_s"]}, "token_s": data["token_s"],
+                "draft_s": {b: s for b, s in data["draft_s"]}}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable or from another version: profile again
+
+
+def save(path: Path | None, profile: dict) -> None:
+    if path is None:
+        return
+    data = {"verify_s": [[b, n, s] for (b, n), s in profile["verify_s"].items()], "token_s": profile["token_s"],
+            "draft_s": [[b, s] for b, s in profile["draft_s"].items()]}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_text(json.dumps(data))
+        os.replace(part, path)
+    except OSError:
+        pass
