@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The serving table: `batchspec loadtest` against `batchspec serve` (autoregressive, the
-# speculative default, and with --adaptive) and `transformers serve --continuous-batching`, on the same model, dtype and
-# machine, at several concurrencies, servers measured alternately.
+# The serving table: `batchspec loadtest` against `batchspec serve` (autoregressive, the speculative
+# default, which is adaptive, and with --no-adaptive: fixed γ) and `transformers serve --continuous-batching`,
+# on the same model, dtype and machine, at several concurrencies, servers measured alternately.
 #
 #   scripts/serve_bench.sh OUT_DIR        # writes OUT_DIR/<server>_c<N>_r<K>.json and OUT_DIR/table.md
 #
@@ -12,7 +12,7 @@
 #   TARGET          model [default: the bundled target]          DTYPE       [float32]
 #   CONCURRENCIES   [1 8 32]                                     MAX_TOKENS  [64] (greedy)
 #   REQUESTS        timed requests per cell [max(32, 4 x concurrency)]
-#   REPEAT          [1]           SERVERS  [ar spec hf] (and adaptive)   PORT [8123]
+#   REPEAT          [1]           SERVERS  [ar spec hf] (and fixed)      PORT [8123]
 #   BATCH           --max-batch-size of batchspec serve [32]
 #   SPEC_ARGS       extra options of the speculative server, e.g. "--gamma 3" [none: EngineConfig's defaults]
 #   STREAM          --stream or --no-stream [--stream: TTFT and inter-token latency need it]
@@ -48,8 +48,8 @@ start_server() {  # $1: ar | spec | hf; writes the log to $OUT/<server>.log
     spec) # shellcheck disable=SC2086
           batchspec serve --target "$TARGET" --dtype "$DTYPE" --max-batch-size "$BATCH" $SPEC_ARGS \
             --port "$PORT" >>"$log" 2>&1 & ;;
-    adaptive) # shellcheck disable=SC2086
-          batchspec serve --target "$TARGET" --dtype "$DTYPE" --max-batch-size "$BATCH" $SPEC_ARGS --adaptive \
+    fixed) # shellcheck disable=SC2086
+          batchspec serve --target "$TARGET" --dtype "$DTYPE" --max-batch-size "$BATCH" $SPEC_ARGS --no-adaptive \
             --port "$PORT" >>"$log" 2>&1 & ;;
     hf)   transformers serve --continuous-batching --device cpu --dtype "$DTYPE" --host 127.0.0.1 --port "$PORT" \
             "$TARGET" >>"$log" 2>&1 & ;;
@@ -93,6 +93,6 @@ python - "$OUT" <<'EOF' | tee "$OUT/table.md"
 import sys
 from batchspec.server.loadtest import comparison_table
 print(comparison_table(sys.argv[1], {"ar": "batchspec serve, autoregressive", "spec": "batchspec serve, default",
-                                     "adaptive": "batchspec serve --adaptive",
+                                     "fixed": "batchspec serve --no-adaptive",
                                      "hf": "transformers serve --continuous-batching"}, baseline="hf"))
 EOF
