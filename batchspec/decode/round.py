@@ -53,7 +53,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     lengths = draft_lengths(batch, gamma, target.rope_limit)
     policy = engine.policy  # adaptive lengths and TETRIS budgets (sched/adaptive.py), or None: fixed γ
     key = tuple(map(id, batch))  # the requests in this round, for the policy's shortcut to a plain round
-    caught_up_s = getattr(engine.drafter, "catch_up_s", 0.0)  # a lookup's indexing (drafters/ngram.py)
+    indexed_s = getattr(engine.drafter, "catch_up_s", 0.0)  # a lookup's catch-up so far (drafters/ngram.py)
     held = None  # seeded sampled rows keep their fixed-γ length (see the module docstring)
     looked = None  # a hybrid drafter's lookups, done before the plan (below)
     if policy is not None and not sampling.all_greedy:
@@ -145,7 +145,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     if policy is not None:  # the whole round is measured, less a lookup's catch-up: the policy weighs it all
         draft_s = timer.since(before)["draft"]
         rest_s = time.perf_counter() - started - draft_s
-        draft_s = max(0.0, draft_s - (getattr(engine.drafter, "catch_up_s", 0.0) - caught_up_s))
+        draft_s = max(0.0, draft_s - (getattr(engine.drafter, "catch_up_s", 0.0) - indexed_s))
         policy.observe(accepted, lengths, confidence, rest_s, draft_s, caught_up=caught_up > 0)
         predicted = policy.predicted_s()
         if predicted is not None:
