@@ -88,3 +88,5 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 -
 batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters ngram,suffix,hybrid \
   --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
   --json docs/results/wave8_adaptive_echo.json
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1 --gamma 4 --drafters hybrid --adaptive off,on \
+  --num-prompts 64 --max-new-tokens 32 --repeat 5 --json docs/results/wave8_adaptive_bs1.json
