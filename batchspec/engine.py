@@ -120,7 +120,8 @@ class SpecEngine:
             rows, cols = (1, max(2, cfg.batch_size)), tuple(range(1, cfg.gamma + 2))
             draft = self.pair.draft if self.draft_runner is not None else None  # None: a model-free drafter
             profile = profile_costs(self.pair.target, draft, rows, cols, forward=cfg.forward)
-            cost = CostModel(rows, cols, profile["verify_s"], profile["draft_s"], token_s=profile["token_s"])
+            cost = CostModel(rows, cols, profile["verify_s"], profile["draft_s"], token_s=profile["token_s"],
+                             catch_up_s=profile["catch_up_s"])
         return AdaptivePolicy(cost, cfg.gamma, budget=cfg.budget, packed=packed)
 
     def _row_capacity(self, target, draft) -> int:

@@ -57,7 +57,7 @@ def load(path: Path | None) -> dict | None:
     try:
         data = json.loads(path.read_text())
         return {"verify_s": {(b, n): s for b, n, s in data["verify_s"]}, "token_s": data["token_s"],
-                "draft_s": {b: s for b, s in data["draft_s"]}}
+                "draft_s": {b: s for b, s in data["draft_s"]}, "catch_up_s": data["catch_up_s"]}
     except (OSError, ValueError, KeyError, TypeError):
         return None  # unreadable or from another version: profile again
 
@@ -66,7 +66,7 @@ def save(path: Path | None, profile: dict) -> None:
     if path is None:
         return
     data = {"verify_s": [[b, n, s] for (b, n), s in profile["verify_s"].items()], "token_s": profile["token_s"],
-            "draft_s": [[b, s] for b, s in profile["draft_s"].items()]}
+            "draft_s": [[b, s] for b, s in profile["draft_s"].items()], "catch_up_s": profile["catch_up_s"]}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_suffix(f".{os.getpid()}.part")

@@ -68,7 +68,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         if engine.num_waiting() == 0:  # draining: the batch lasts as long as its longest request
             most = max(r.remaining for r in batch)
             weights = [r.remaining / most for r in batch]
-        before = dict(timer.totals)
+        before, planning = dict(timer.totals), time.perf_counter()
         # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
         # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
         if hasattr(engine.drafter, "lookahead") and policy.may_speculate(alphas, lengths, weights, held):
@@ -79,15 +79,16 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         first_fed = None
         if engine.draft_runner is not None:  # the draft model first catches up on what it has not seen:
             # a one-off cost that serves the rest of the request, so a round is charged its share
-            # (the request's remaining tokens at ~2 a round)
-            first_fed = [1 + (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1) * min(1.0, 2 / r.remaining)
-                         for r in batch]
+            # (the request's remaining tokens at ~2 a round), priced per token fed (`CostModel.catch_up`)
+            first_fed = [1 + policy.catch_up(len(batch), (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1)
+                                             * min(1.0, 2 / r.remaining)) for r in batch]
             if looked is not None:
                 first_fed = [f if by is None else 0.0 for f, by in zip(first_fed, looked)]
         # a plain plan is kept for the same requests (`plain_now`), but not one made because no
         # lookup found anything: that changes from round to round
         keep = looked is None or any(lengths)
         lengths = policy.plan(alphas, lengths, weights, first_fed, key=key if keep else None, held=held)
+        policy.planned(len(batch), time.perf_counter() - planning)
     g = max(lengths)
 
     confidence, caught_up = None, 0

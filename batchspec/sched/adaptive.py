@@ -70,13 +70,18 @@ class CostModel:
     at 32 rows, 160 keys: plain 25.5 ms, one row fed 2 tokens 31.5, one row fed 5 34.6, all fed 5
     66.6 (token_s 0.26 ms); by tokens alone the pass with one row at 5 would cost 26.8. Profiled at
     b1 rows and taken as constant in rows (0.31, 0.26, 0.21 ms at 8, 32, 64 rows); without it
-    (None), the profile's own slope per token, as if the cost grew with tokens alone."""
+    (None), the profile's own slope per token, as if the cost grew with tokens alone.
+
+    A drafter behind on a row feeds it what it missed in its first step: `catch_up_s` per token
+    beyond the newest (profiled on one row; None: as much as a row of a step), which `catch_up`
+    turns into rows' worth of a step, the unit the plan prices depth 0 in (`first_fed`)."""
 
     rows: tuple[int, int]
     cols: tuple[int, ...]
     verify_s: dict[tuple[int, int], float]  # (rows, cols) -> seconds
     draft_s: dict[int, float]  # rows -> seconds of one draft step
     token_s: float | None = None  # seconds a packed pass saves per token a row is fed below the longest
+    catch_up_s: float | None = None  # seconds a draft step costs more per token it feeds a row beyond its newest
     verify_scale: float = 1.0  # measured / profiled, rounds that verify drafts
     plain_scale: float = 1.0  # ... plain rounds (one token per row)
     draft_scale: float = 1.0
@@ -120,6 +125,16 @@ class CostModel:
     def draft(self, b: float) -> float:
         b0, b1 = self.rows
         return max(0.0, self.draft_scale * _lerp(b, b0, b1, self.draft_s[b0], self.draft_s[b1]))
+
+    def catch_up(self, b: int, tokens: float) -> float:
+        """`tokens` a drafter feeds one row to catch up, in rows' worth of a draft step over b rows
+        (its cost per added row, which is what the plan charges per unit of `first_fed`). Example:
+        D(1) = 1.10 ms, D(2) = 1.19 ms (0.09 ms a row), catch_up_s 0.027 ms: 20 tokens -> 6 rows."""
+        b0, b1 = self.rows
+        per_row = (self.draft_s[b1] - self.draft_s[b0]) / (b1 - b0) if b1 != b0 else 0.0
+        if self.catch_up_s is None or per_row <= 0:
+            return tokens
+        return tokens * min(1.0, self.catch_up_s / per_row)
 
     def round_seconds(self, b: int, packed: bool = True, drafted_s: float | None = None) -> Callable:
         """seconds(total, fed) of a round over b rows: a draft step per depth j feeding fed[j]
@@ -215,18 +230,29 @@ class SpecGuard:
     Example, 32 rows: plain rounds take 1.1x their prediction, speculative ones 1.32x: penalty
     1.2, and a round predicted 1.15x faster than plain decoding is run plain.
 
+    Both averages start at 1 (the profile trusted) and weigh a round's measurement 1 / (n + 4) for
+    its n-th round until that falls to `weight`: a single round (a warm-up's first, a hiccup of the
+    machine) moves the penalty a fifth of the way, not all of it. Taken whole, one warm-up round
+    measured 1.6x slow at batch 1 kept every round of the next 931 plain (1.0x where fixed γ made
+    1.3x): what a penalty keeps plain it no longer measures.
+
     A penalty that keeps rounds plain is no longer measured, so after `explore_every` rounds it
-    kept plain one speculative round is run without it, then after twice as many each time (at
-    most `max_wait`): a change (a batch that empties) is noticed. The other way round too: a
+    kept plain one speculative round is run without it. If that round confirms the penalty (it
+    took longer for its prediction than plain rounds do) the next exploration waits twice as long
+    (at most `max_wait`), else it comes after `explore_every` again: a change (a batch that
+    empties) is noticed, and a penalty that rests on noise is measured away. The other way round too: a
     batch in which some row always has something worth verifying never runs a plain round by
     itself, so after `explore_every` speculative rounds in a row one plain round is run to
     measure that side, then after twice as many each time.
     """
 
-    def __init__(self, weight: float = 0.1, explore_every: int = 16, max_wait: int = 512) -> None:
+    def __init__(self, weight: float = 0.1, explore_every: int = 16, max_wait: int = 512,
+                 prior_rounds: int = 4) -> None:
         self.weight, self.explore_every, self.max_wait = weight, explore_every, max_wait
+        self.prior_rounds = prior_rounds  # how many rounds' worth the starting value 1 weighs
         self.spec: dict[int, float] = {}  # bucket -> speculative rounds' measured / predicted seconds
         self.plain: dict[int, float] = {}  # bucket -> plain rounds' measured / predicted seconds
+        self.counts: dict[tuple[int, bool], int] = {}  # (bucket, speculative) -> rounds recorded
         self.blocked: dict[int, int] = {}  # bucket -> rounds the penalty kept plain since a speculative one
         self.wait: dict[int, int] = {}
         self.spec_since: dict[int, int] = {}  # bucket -> speculative rounds since its last plain one
@@ -260,15 +286,19 @@ class SpecGuard:
         """A round of `rows` rows took `slow` x the seconds predicted for it."""
         k = self.bucket(rows)
         avg = self.spec if speculative else self.plain
-        avg[k] = slow if k not in avg else avg[k] * (slow / avg[k]) ** self.weight
+        n = self.counts[(k, speculative)] = self.counts.get((k, speculative), 0) + 1
+        before = avg.get(k, 1.0)
+        avg[k] = before * (slow / before) ** max(self.weight, 1 / (n + self.prior_rounds))
         if not speculative:
             if self.plain_due(rows):
                 self.plain_wait[k] = min(self.max_wait, 2 * self.plain_wait.get(k, self.explore_every))
             self.spec_since[k] = 0
             return
         self.spec_since[k] = self.spec_since.get(k, 0) + 1
-        if self.exploring(rows):
-            self.wait[k] = min(self.max_wait, 2 * self.wait.get(k, self.explore_every))
+        if self.exploring(rows):  # confirmed: speculating runs slower for its prediction than plain rounds do
+            confirmed = slow > self.plain.get(k, 1.0)
+            self.wait[k] = min(self.max_wait, 2 * self.wait.get(k, self.explore_every)) if confirmed \
+                else self.explore_every
         else:  # speculation chosen on its merits, penalty and all
             self.wait[k] = self.explore_every
         self.blocked[k] = 0
@@ -305,9 +335,13 @@ class AdaptivePolicy:
     last: dict = field(default_factory=dict)  # the last decision, for stats
     guard: SpecGuard = field(default_factory=SpecGuard)  # what the cost model misses, per batch size
     replan_every: int = 8  # see `plain_now`
+    replan_share: float = 0.02  # ... and `planned`
+    _planning: dict = field(default_factory=dict, repr=False)  # batch-size bucket -> seconds a plan takes
     _memo: list | None = field(default=None, repr=False)  # [key, rounds since, kept plain by the guard]
-    # accepted drafts and what the estimates expected of them, exponential averages over speculative rounds
-    _realised: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)
+    # accepted drafts and what the estimates expected of them, exponential averages over speculative
+    # rounds, and how many rounds they rest on
+    _realised: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0], repr=False)
+    scale_prior_rounds: float = 8.0  # see `gain_scale`
 
     def alpha(self, first_accepted: int, first_drafted: int) -> float:
         """A row's first-draft acceptance: its own record, shrunk toward the pair's running rate,
@@ -340,9 +374,14 @@ class AdaptivePolicy:
         """Accepted drafts over the expected (1 until measured; within [0.5, 2]), by which every
         estimated gain is multiplied. The estimates are biased where the plan looks: a row's
         later rates are the pair's, while the rows that speculate are those with a high first
-        rate, whose later rates are high too (seen: 5-12 % more accepted than expected)."""
-        accepted, expected = self._realised
-        return 1.0 if expected <= 0 else min(2.0, max(0.5, accepted / expected))
+        rate, whose later rates are high too (seen: 5-12 % more accepted than expected). The ratio
+        of n rounds counts n / (n + `scale_prior_rounds`) against 1: a warm-up's few rounds (2
+        requests of 8 tokens set it to 0.5 and the engine then ran 1.0x where fixed γ made 1.3x)
+        do not decide it."""
+        accepted, expected, n = self._realised
+        if expected <= 0:
+            return 1.0
+        return min(2.0, max(0.5, (n * accepted / expected + self.scale_prior_rounds) / (n + self.scale_prior_rounds)))
 
     def _gains(self, rates: list[float], weight: float, scale: float) -> list[float]:
         return [weight * min(1.0, scale * g) for g in cumulative(rates)]
@@ -360,6 +399,10 @@ class AdaptivePolicy:
         at depth 0 what the drafter has to catch up on); a step costs as a step of that many rows,
         or of all rows when the forward is not packed."""
         return sum(self.cost.draft(n if self.packed else max(n, rows)) for n in fed if n)
+
+    def catch_up(self, rows: int, tokens: float) -> float:
+        """A row's catch-up of `tokens` in rows' worth of a draft step (see `plan`'s first_fed)."""
+        return tokens if self.cost is None else self.cost.catch_up(rows, tokens)
 
     @staticmethod
     def _fed(lengths: list[int], first_fed: list[float] | None) -> list[float]:
@@ -408,21 +451,40 @@ class AdaptivePolicy:
     def plain_now(self, key: tuple) -> bool:
         """Whether the round of the requests `key` is plain without planning it: a plain round is
         due (the guard measures that side), or the same requests' last plan was plain fewer than
-        `replan_every` rounds ago. Nothing a plan rests on moves much in a few plain rounds (they
+        `keep_rounds` rounds ago. Nothing a plan rests on moves much in a few plain rounds (they
         change no acceptance record), and a plan is not free: ~0.3 ms at 64 rows (~1.5 ms, 3 % of a
-        plain round there, before `CostModel.round_seconds`)."""
+        plain round there, before `CostModel.round_seconds`), more with a hybrid's lookups."""
         if self.cost is None:
             return False
         rows = len(key)
         if self.guard.plain_due(rows):
             return True
         memo = self._memo
-        if memo is None or memo[0] != key or memo[1] >= self.replan_every or (memo[2] and self.guard.exploring(rows)):
+        if memo is None or memo[0] != key or memo[1] >= self.keep_rounds(rows) or \
+                (memo[2] and self.guard.exploring(rows)):
             return False
         memo[1] += 1
         if memo[2]:
             self.guard.kept_plain(rows)
         return True
+
+    def planned(self, rows: int, seconds: float) -> None:
+        """A plan over `rows` rows took `seconds`, a hybrid's lookups included (`decode/round.py`)."""
+        k, before = SpecGuard.bucket(rows), self._planning.get(SpecGuard.bucket(rows))
+        self._planning[k] = seconds if before is None else before + 0.1 * (seconds - before)
+
+    def keep_rounds(self, rows: int) -> int:
+        """How many rounds a plain plan stands for the same requests: as many as keep replanning
+        within `replan_share` of their time, at most `replan_every` (that many until a plan was
+        timed). Planning each round is right where a plan is cheap: at batch 1, plans (0.03 ms)
+        and lookups next to 6 ms rounds, a plain plan kept for 8 rounds ran 200-480 of ~600 rounds
+        plain where replanning ran 30-110 (the draft model then lags further behind, and its
+        catch-up makes the next plan plain too); with 64 rows the lookups alone cost ~15 % of a
+        plain round, and a plain plan is kept for ~7 rounds."""
+        planning = self._planning.get(SpecGuard.bucket(rows))
+        if planning is None:
+            return self.replan_every
+        return min(self.replan_every, int(planning / (self.replan_share * self.cost.verify(rows, 1))))
 
     def _best_lengths(self, alphas: list[float], caps: list[int], weights: list[float] | None,
                       first_fed: list[float] | None, held: list[int] | None = None) -> tuple[list[int], bool]:
@@ -514,6 +576,7 @@ class AdaptivePolicy:
             realised, w = self._realised, 0.05
             realised[0] += w * (sum(accepted) - realised[0])
             realised[1] += w * (self.last["expected"] - realised[1])
+            realised[2] += 1
         if self.cost is not None and self.last.get("rows") == len(verified):
             if caught_up:
                 # the draft model fed what it missed (rows it did not draft for): a one-off that
