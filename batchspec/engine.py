@@ -35,7 +35,7 @@ from .core.request import FinishReason, Output, Request, StepOutput
 from .core.runner import ModelRunner, content_ids, kv_shape
 from .core.stats import RunStats, StageTimer
 from .decode import run_round
-from .drafters import DraftModelDrafter, drafter_needs_model, drafter_uses_model, make_drafter
+from .drafters import drafter_needs_model, drafter_uses_model, make_drafter, model_drafter
 from .models import ModelPair, context_length
 from .sampling import SamplingParams, make_generator
 from .sched import make_scheduler, plan_prefill
@@ -89,8 +89,10 @@ class SpecEngine:
             self.drafter = make_drafter(cfg.drafter, draft_runner=self.draft_runner, device=self.device,
                                         vocab_size=pair.vocab_size, compute_reference=self._oracle_reference)
         self.policy = self._policy() if (cfg.adaptive or cfg.budget is not None) and cfg.speculative else None
-        if isinstance(self.drafter, DraftModelDrafter):  # TETRIS ranks greedy drafts by q(d_j)
-            self.drafter.report_confidence = self.policy is not None
+        model = model_drafter(self.drafter)
+        if model is not None and self.policy is not None:  # TETRIS ranks greedy drafts by q(d_j), and the
+            model.report_confidence = True  # policy stops a row's drafting when its next draft is not worth a step
+            model.stop = self.policy.cut if self.policy.cost is not None else None
 
     @classmethod
     def from_pretrained(cls, target: str | None = None, draft: str | None = None,

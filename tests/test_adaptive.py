@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import pair, prompts, references
 
 from batchspec import EngineConfig, SamplingParams, SpecEngine
+from batchspec.drafters import model_drafter
 from batchspec.sched.adaptive import AdaptivePolicy, CostModel
 from batchspec.sched.tetris import cumulative
 
@@ -383,6 +386,53 @@ def test_a_catch_up_is_priced_per_token_fed():
     policy = exact_policy(c, gamma_max=4, prior=0.7, margin=1.0)
     assert any(policy.plan([0.7], [4], first_fed=[1 + policy.catch_up(1, 100)]))  # 10 ms less than
     assert not any(policy.plan([0.7], [4], first_fed=[1 + 100]))  # priced as a row a token: 19.9 ms, plain
+
+
+def test_drafting_stops_where_the_next_draft_is_not_worth_a_step():
+    """`AdaptivePolicy.cut`, its docstring's example: at batch 1 a draft step (1.1 ms) is worth 0.18
+    tokens of a plain round (6.1 ms). Calibrated, q = 0.2 is accepted 30 % of the time and q = 0.95
+    90 %: after one doubtful draft the next is worth 0.3 x 0.8 = 0.24 tokens (go on), after two
+    0.09 x 0.8 = 0.07 (stop there); confident rows go on, and each row of a batch is cut apart."""
+    c = CostModel(rows=(1, 2), cols=(1, 5), verify_s={(1, 1): 0.0061, (1, 5): 0.0065, (2, 1): 0.0066,
+                                                      (2, 5): 0.0073}, draft_s={1: 0.0011, 2: 0.0012}, token_s=1e-5)
+    policy = exact_policy(c, gamma_max=4, prior=0.8, margin=1.0)
+    for q, rate in ((0.25, 3), (0.95, 9)):
+        for k in range(1000):
+            policy.calibration.add(q, k % 10 < rate)
+    fresh = SimpleNamespace(stats=SimpleNamespace(first_accepted=0, first_drafted=0))
+    policy.last = {"rows": 1}
+    assert policy.cut([fresh], 1, [[0.2]], [4]) == [4]
+    assert policy.cut([fresh], 2, [[0.2, 0.2]], [4]) == [2]
+    assert policy.cut([fresh], 2, [[0.95, 0.95]], [4]) == [4]
+    assert policy.cut([fresh], 2, [[0.2, 0.2]], [2]) == [2]  # (at its planned length already)
+    policy.last = {"rows": 2}
+    assert policy.cut([fresh, fresh], 2, [[0.2, 0.2], [0.95, 0.95]], [4, 4]) == [2, 4]
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "hybrid"])
+def test_rows_cut_short_between_draft_steps_stay_exact(drafter):
+    """Rows the policy stops between draft steps (`DraftModelDrafter.stop`; here forced: even rows
+    after one draft, the others after two) verify only what was drafted, and the draft model
+    commits only what it was fed (a commit beyond that raises): greedy output stays exact."""
+    p = pair("llama", "perturbed")
+    ids = prompts(12, seed=3)
+    refs = references(p, ids, 16)
+    engine = SpecEngine(p, EngineConfig(drafter=drafter, batch_size=4, gamma=4, debug=True))
+    policy, plan, cuts = engine.policy, engine.policy.plan, []
+
+    def planning(alphas, caps, *args, **kwargs):  # every row drafts its cap (the plan is timed)
+        plan(alphas, caps, *args, **kwargs)
+        return list(caps)
+
+    def stop(reqs, depth, confidence, lengths):
+        out = [depth if i % 2 == 0 or depth >= 2 else n for i, n in enumerate(lengths)]
+        cuts.append(out != lengths)
+        return out
+
+    policy.plan, model_drafter(engine.drafter).stop = planning, stop
+    assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=16))] == refs
+    verified = engine.stats.gamma_hist
+    assert any(cuts) and max(verified) == 2 and verified[1] > 0
 
 
 def test_held_rows_draft_whatever_the_plan_and_the_others_are_planned_around_them():

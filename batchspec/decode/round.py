@@ -20,6 +20,7 @@ sampled rows (which promise no particular sample) are the policy's to plan.
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -101,8 +102,9 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             if held is not None:
                 held = [min(h, n) for h, n in zip(held, lengths)]
         if policy is not None:  # TETRIS: which drafted tokens to verify
-            if proposal.confidence is not None:  # greedy rows only (see sched/adaptive.py)
-                confidence = [c if r.params.greedy else None for r, c in zip(batch, proposal.confidence.tolist())]
+            if proposal.confidence is not None:  # greedy rows only (see sched/adaptive.py); NaN: unknown
+                confidence = [c if r.params.greedy and not math.isnan(c[0]) else None
+                              for r, c in zip(batch, proposal.confidence.tolist())]
             lengths = policy.prune(alphas, lengths, confidence, timer.since(before)["draft"], weights, held)
         drafts = drafts[:, :max(lengths)]
         q = q[:, :drafts.shape[1]] if q is not None else None

@@ -185,6 +185,14 @@ def split_drafters(text: str) -> list[str]:
     return specs
 
 
+def model_drafter(drafter: Drafter | None) -> DraftModelDrafter | None:
+    """The draft model's drafter inside `drafter` (itself, or a hybrid's model part), or None."""
+    if isinstance(drafter, DraftModelDrafter):
+        return drafter
+    model = getattr(drafter, "model", None)
+    return model if isinstance(model, DraftModelDrafter) else None
+
+
 def make_drafter(spec: str, *, draft_runner, device, vocab_size: int,
                  references: MutableMapping[tuple[int, ...], list[int]] | None = None, seed: int = 0,
                  compute_reference: Callable | None = None) -> Drafter:
@@ -195,4 +203,4 @@ def make_drafter(spec: str, *, draft_runner, device, vocab_size: int,
 
 __all__ = ["DRAFTERS", "REGISTRY", "DraftModelDrafter", "DraftProposal", "Drafter", "DrafterSpec", "HybridDrafter",
            "NgramDrafter", "OracleDrafter", "SuffixDrafter", "drafter_needs_model", "drafter_spec",
-           "drafter_uses_model", "make_drafter", "parse_drafter", "split_drafters"]
+           "drafter_uses_model", "make_drafter", "model_drafter", "parse_drafter", "split_drafters"]

@@ -197,16 +197,20 @@ class HybridDrafter:
                                      BatchSampling.of([r.params for r in sub], device), sub_caps)
         index = torch.tensor(rows, device=device)
         tokens[index, :width] = drafted.tokens
+        confidence = None  # q(d_j) of the model's rows (greedy ones: TETRIS), NaN on the lookup's
+        if drafted.confidence is not None:
+            confidence = torch.full((len(reqs), gamma), float("nan"), device=device)
+            confidence[index, :width] = drafted.confidence.to(confidence.dtype)
         probs = None
         if drafted.probs is not None:  # some model row samples: the n-gram rows need their one-hot q
             probs = torch.zeros(len(reqs), gamma, drafted.probs.shape[-1], dtype=drafted.probs.dtype, device=device)
             probs.scatter_(-1, tokens.unsqueeze(-1), 1.0)
             probs[index, :width] = drafted.probs
         lengths = [len(f) for f in found]
-        for i, c in zip(rows, sub_caps):
+        for i, c in zip(rows, drafted.lengths or sub_caps):  # (the model may cut a row short)
             lengths[i] = c
         self._round = (start, (time.perf_counter() - model_start) * catch_up / (drafting + catch_up), decided)
-        return DraftProposal(tokens, probs, lengths, caught_up=drafted.caught_up)
+        return DraftProposal(tokens, probs, lengths, confidence=confidence, caught_up=drafted.caught_up)
 
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:
         rows, self._model_rows = self._model_rows, []

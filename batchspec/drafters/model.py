@@ -21,6 +21,9 @@ class DraftModelDrafter:
     # greedy rounds: also report q(d_j) (a softmax per step); the engine turns it on when a policy
     # reads it (TETRIS pruning), so fixed-γ rounds skip the work
     report_confidence = False
+    # stop(reqs, depth, confidence, lengths) -> lengths: between steps of a greedy round, a policy
+    # may cut rows' drafts short at `depth` from the q(d_j) drafted so far (`AdaptivePolicy.cut`)
+    stop = None
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
@@ -51,8 +54,11 @@ class DraftModelDrafter:
         ends = [r.num_tokens for r in reqs]
         logits = runner.feed(reqs, content_ids(reqs, ends, self._unseen, runner.device), self._unseen, logits="last")
         tokens, probs, confidence = [], [], []
+        asked = list(lengths)
         for j in range(gamma):
             if j > 0:
+                if max(lengths) <= j:  # every row was cut short (`stop`)
+                    break
                 counts = [1 if n > j else 0 for n in lengths]
                 logits = runner.feed(reqs, tokens[-1][:, None], counts, logits="last")  # [B, V]
             if forced is not None:
@@ -68,8 +74,17 @@ class DraftModelDrafter:
             if q is not None:
                 confidence.append(q.gather(-1, token[:, None])[:, 0])
             tokens.append(token)
-        return DraftProposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None,
-                             confidence=torch.stack(confidence, dim=1) if confidence else None,
+            if self.stop is not None and confidence and not probs and j + 1 < max(lengths):
+                cut = self.stop(reqs, j + 1, torch.stack(confidence, dim=1).tolist(), lengths)
+                lengths[:] = [min(n, max(j + 1, m)) for n, m in zip(lengths, cut)]  # never below what is drafted
+        pad = gamma - len(tokens)  # (rows cut short: their lengths say how much of a row is real)
+        drafts = torch.stack(tokens, dim=1)
+        conf = torch.stack(confidence, dim=1) if confidence else None
+        if pad:
+            drafts = torch.cat([drafts, drafts.new_zeros(len(reqs), pad)], dim=1)
+            conf = torch.cat([conf, conf.new_zeros(len(reqs), pad)], dim=1) if conf is not None else None
+        return DraftProposal(drafts, torch.stack(probs, dim=1) if probs else None,
+                             lengths=list(lengths) if lengths != asked else None, confidence=conf,
                              caught_up=sum(max(0, u - 2) for u in self._unseen))
 
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:
