@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-os.environ["BATCHSPEC_CACHE"] = "off"  # no step-cost profiles written to the user's cache (bench/cost_cache.py)
+os.environ["BATCHSPEC_CACHE"] = "off"  # no step-cost profiles written to the user's cache (batchspec/cache.py)
 
 TEXT = """def add(a, b):
     return a + b

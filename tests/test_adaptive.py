@@ -454,7 +454,7 @@ def test_held_rows_draft_whatever_the_plan_and_the_others_are_planned_around_the
 
 
 def test_step_cost_profiles_are_kept_on_disk(tmp_path, monkeypatch):
-    """A profile is measured once per machine (`bench/cost_cache.py`): with the in-memory cache
+    """A profile is measured once per machine (`batchspec/cache.py`): with the in-memory cache
     emptied (a new process), it is read back from `BATCHSPEC_CACHE`, the same numbers; an
     unreadable file is measured again; `off` writes nothing."""
     from batchspec.bench import costs

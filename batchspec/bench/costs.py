@@ -18,10 +18,10 @@ import time
 
 import torch
 
+from .. import cache as cost_cache
 from ..core.forward import make_forward
 from ..core.rows import RowBatch, RowKV
 from ..core.runner import kv_shape, row_inputs
-from . import cost_cache
 
 
 def ideal_speedup(alpha: float, gamma: int, c: float, v: float) -> float:
@@ -78,7 +78,7 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
     engine's forward, for the adaptive policy (`sched.adaptive.CostModel`), and `token_s`: what a
     pass at the larger rows and the last column saves per token its other rows are not fed (one
     row fed them all, the rest 1 each). A few forwards per grid point; cached per model, device,
-    dtype, thread count and grid, in memory and on disk (`cost_cache.py`). Without a draft model (a
+    dtype, thread count and grid, in memory and on disk (`batchspec/cache.py`). Without a draft model (a
     model-free drafter) a draft step is priced at MODEL_FREE_STEP_S per row, corrected online.
     `catch_up_s`: what a draft step costs more per token it feeds one row beyond its newest (a
     drafter catching up on tokens it did not see: CATCH_UP tokens at once), far less than a row's
@@ -88,9 +88,10 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
            context, forward)
     path = None
     if key not in _PROFILES:
+        kernels = [sorted(getattr(make_forward(m, forward), "skinny", ())) for m in (target, draft) if m is not None]
         path = cost_cache.profile_path(target, draft, {"rows": rows, "cols": cols, "context": context,
                                                        "forward": forward, "repeats": repeats,
-                                                       "catch_up": CATCH_UP})
+                                                       "catch_up": CATCH_UP, "kernels": kernels})
         cached = cost_cache.load(path)
         if cached is not None:
             _PROFILES[key] = cached

@@ -31,6 +31,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .kernels import skinny_counts
+
 LEAN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3")  # inverse frequencies that do not depend on length
 
@@ -81,25 +83,26 @@ def lean_unsupported(model) -> str | None:
     return None
 
 
-SKINNY_TOKENS = 32  # at most this many tokens: `matmul` computes W @ x^T (see there)
+SKINNY_TOKENS = 32  # at most this many tokens: `matmul` may compute W @ x^T (see there)
 FOLD_TOKENS = 32  # at most this many query tokens per row: `LeanForward._attend` folds GQA heads
+ALL_SKINNY = frozenset(range(1, SKINNY_TOKENS + 1))
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T + bias, as `F.linear`, fast for a few tokens on a CPU.
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           skinny: frozenset[int] = ALL_SKINNY) -> torch.Tensor:
+    """x @ weight^T + bias, as `F.linear`, or as W @ x^T when x has a token count in `skinny`.
 
-    Decoding feeds a linear 1 to ~32 tokens. On a CPU in float32, `F.linear` then runs a
-    matrix-vector product (one token) or a GEMM with a transposed, skinny operand, both far below
-    what the memory bus allows; W [out, in] @ x^T [in, M] reads the weight in its stored order and
-    runs 2-3x faster (measured on this project's machine over the bundled target's 33 matrices,
-    2 threads: 1 token 7.2 -> 3.1 ms, 2 tokens 9.8 -> 2.8, 8 tokens 7.7 -> 4.8, 32 tokens 12.2 ->
-    11.4; from 64 tokens on, `F.linear` is as fast or faster). One token is fed as two (the same
-    token twice, one column kept), which takes the GEMM path instead of the matrix-vector one.
-    bfloat16/float16 and other devices keep `F.linear` (their kernels do not have the problem).
+    Decoding feeds a linear 1 to ~32 tokens. On some CPUs in float32 `F.linear` then runs a
+    matrix-vector product (one token) or a GEMM with a transposed, skinny operand far below what
+    the memory bus allows, and W [out, in] @ x^T [in, M], which reads the weight in its stored
+    order, runs 2-3x faster; on others it is the other way round (`core/kernels.py` has both
+    machines' numbers and measures which holds where it runs: a lean forward passes the counts it
+    measured). One token is fed as two (the same token twice, one column kept), which takes the
+    GEMM path instead of the matrix-vector one. bfloat16/float16 and other devices keep `F.linear`.
 
     Example: x [3, 384], weight [640, 384] -> mm(weight, x^T) [640, 3] -> its transpose [3, 640]."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not 0 < rows <= SKINNY_TOKENS:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or rows not in skinny:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     cols = torch.cat((flat, flat)) if rows == 1 else flat  # a real copy: a stride-0 operand is slow again
@@ -109,8 +112,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
-    return matmul(x, layer.weight, layer.bias)
+def _linear(x: torch.Tensor, layer: torch.nn.Linear, skinny: frozenset[int]) -> torch.Tensor:
+    return matmul(x, layer.weight, layer.bias, skinny)
 
 
 class _Fused:
@@ -127,6 +130,7 @@ class _Fused:
                 self.bias = torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
                                        for lin in linears])
             self.sizes = [lin.out_features for lin in linears]
+            self.skinny = ALL_SKINNY  # set by the lean forward (`core/kernels.py`)
             offset = 0
             for lin, size in zip(linears, self.sizes):
                 lin.weight = torch.nn.Parameter(self.weight[offset:offset + size], lin.weight.requires_grad)
@@ -139,7 +143,7 @@ class _Fused:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """All outputs side by side: [..., sum of out_features]."""
-        return matmul(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias, self.skinny)
 
 
 class _RMSNorm:
@@ -190,7 +194,12 @@ class LeanForward:
         self.heads = [size // self.head_dim for size in self.layers[0][1].sizes]  # q, k, v heads
         self.rotary = body.rotary_emb
         self.cos = self.sin = None  # [P, head_dim] tables over positions 0..P-1, grown on demand
-        watch = [entry for layer in self.layers for fused in (layer[1], layer[6]) for entry in fused.watch]
+        fused = [f for layer in self.layers for f in (layer[1], layer[6])]
+        matrices = [f.weight for f in fused] + [m.weight for layer in self.layers for m in (layer[2], layer[7])]
+        self.skinny = skinny_counts(matrices + [self.head.weight], matmul)  # which kernel, measured per CPU
+        for f in fused:
+            f.skinny = self.skinny
+        watch = [entry for f in fused for entry in f.watch]
         self._params, self._ptrs = [params for params, _ in watch], [ptr for _, ptr in watch]
 
     def stale(self) -> bool:
@@ -241,14 +250,14 @@ class LeanForward:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, n, head_dim]
             keys, values = kv.write(index, k, v)  # [B, kv_heads, T, head_dim]
             a = self._attend(q, keys, values, visible, folded)
-            x = x + _linear(a.transpose(1, 2).reshape(batch, n, -1), o_proj)
+            x = x + _linear(a.transpose(1, 2).reshape(batch, n, -1), o_proj, self.skinny)
             gate, up = gate_up(ln2(x)).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, down)
+            x = x + _linear(F.silu(gate) * up, down, self.skinny)
         if select is False:
             return None
         if select is not None:
             x = x[torch.arange(batch, device=x.device), select][:, None]  # [B, 1, hidden]
-        return _select(_linear(self.norm(x), self.head), None if select is None else 0)
+        return _select(_linear(self.norm(x), self.head, self.skinny), None if select is None else 0)
 
     def _fold_mask(self, visible: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """The mask of `_attend`'s folded queries, built once per forward: [B, 1, n, T] ->
@@ -311,17 +320,17 @@ class LeanForward:
             q_pad[packed] = q
             a = self._attend(q_pad.view(batch, n, q_heads, -1).transpose(1, 2), keys, values, visible,
                              folded)  # [B, heads, n, D]
-            x = x + _linear(a.transpose(1, 2).reshape(batch * n, -1)[packed], o_proj)
+            x = x + _linear(a.transpose(1, 2).reshape(batch * n, -1)[packed], o_proj, self.skinny)
             gate, up = gate_up(ln2(x)).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, down)
+            x = x + _linear(F.silu(gate) * up, down, self.skinny)
         if select is False:
             return None
         if select is not None:  # row i's column select[i] -> its place among the real tokens
             where = torch.full((batch * n,), -1, dtype=torch.long, device=x.device)
             where[packed] = torch.arange(packed.numel(), device=x.device)
             pick = where.view(batch, n)[torch.arange(batch, device=x.device), select].clamp(min=0)
-            return _linear(self.norm(x[pick]), self.head)  # [B, V] (rows fed nothing: any row's logits)
-        logits = _linear(self.norm(x), self.head)  # [C, V]
+            return _linear(self.norm(x[pick]), self.head, self.skinny)  # [B, V] (rows fed nothing: any row's logits)
+        logits = _linear(self.norm(x), self.head, self.skinny)  # [C, V]
         out = logits.new_zeros(batch * n, logits.shape[-1])
         out[packed] = logits
         return out.view(batch, n, -1)  # padding columns: zero logits

@@ -15,8 +15,11 @@ tokens to the one token every row commits anyway. A round in which row i drafts 
 ranking with the most tokens per second; all γ_i = 0 is a plain decoding round (no draft step at
 all), which it keeps unless speculating is predicted `margin` (5 %) faster, e.g. at large batch
 sizes on a CPU, where a verify pass is compute-bound and a verified token costs about what a
-plain step's token does. `prune` then reranks what was drafted with the draft's own probability
-of each token (greedy rows) and keeps the best budget of verified tokens, the draft time now spent.
+plain step's token does. While the draft model drafts, `cut` stops a greedy row between steps once
+its next draft is not worth a step (what it drafted so far, calibrated by the draft's own
+probabilities, made the rest unlikely). `prune` then reranks what was drafted with the draft's own
+probability of each token (greedy rows) and keeps the best budget of verified tokens, the draft
+time now spent.
 
 D and V come from a short profile at start-up (`profile_costs`, a few forwards per grid point,
 cached per model, device, dtype and thread count) interpolated linearly in rows and columns, and

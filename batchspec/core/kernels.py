@@ -1,0 +1,66 @@
+"""Which kernel a linear over a few tokens takes on this CPU, chosen by measurement.
+
+`forward.matmul` computes x @ Wᵀ either as `F.linear` or as W @ xᵀ (the weight read in its stored
+order, one token fed as two). Which is faster depends on the CPU's BLAS kernels, not on anything
+this project controls. Over the bundled target's matrices, 2 threads, float32:
+
+    tokens                    1      2      8     32
+    AMD EPYC   F.linear     7.2    9.8    7.7   12.2 ms
+               W @ xᵀ       3.1    2.8    4.8   11.4
+    Intel Xeon F.linear     1.95   1.93   3.92   6.83
+               W @ xᵀ       8.54   6.76   6.40  10.04
+
+so W @ xᵀ, hard-coded after the first machine, made plain decoding at batch 1 4x slower on the
+second (91 tokens/s against transformers' 156). Neither is hard-coded now: the first lean forward
+of a model on a CPU in float32 times both over the model's own matrix shapes at 1, 2, 4, 8, 16 and
+32 tokens (well under a second for the bundled pair), and `skinny_counts` returns the token counts
+at which W @ xᵀ won (a count between two measured ones follows the larger). The choice is kept per
+CPU, thread count, torch version and shapes, in memory and on disk (`batchspec/cache.py`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from .. import cache
+
+COUNTS = (1, 2, 4, 8, 16, 32)  # token counts timed; W @ xᵀ is never tried above the last
+_CHOSEN: dict[tuple, frozenset[int]] = {}
+
+
+def skinny_counts(weights: list[torch.Tensor], mm, repeats: int = 7) -> frozenset[int]:
+    """Token counts (1..COUNTS[-1]) at which `mm(x, weight)` (W @ xᵀ) beats `F.linear` over
+    `weights` on this machine; empty off the CPU or outside float32, where `F.linear` is used."""
+    if not weights or weights[0].device.type != "cpu" or weights[0].dtype != torch.float32:
+        return frozenset()
+    shapes = sorted({tuple(w.shape) for w in weights})
+    key = (tuple(shapes), torch.get_num_threads(), torch.__version__)
+    if key not in _CHOSEN:
+        path = cache.keyed_path("kernels", {"shapes": shapes, "cpu": cache.cpu_name(), "dtype": "float32"})
+        stored = cache.read(path)
+        if isinstance(stored, list) and all(isinstance(n, int) for n in stored):
+            _CHOSEN[key] = frozenset(stored)
+        else:
+            unique = list({tuple(w.shape): w for w in weights}.values())
+            _CHOSEN[key] = _measure(unique, mm, repeats)
+            cache.write(path, sorted(_CHOSEN[key]))
+    return _CHOSEN[key]
+
+
+def _measure(weights: list[torch.Tensor], mm, repeats: int) -> frozenset[int]:
+    wins = {}
+    with torch.no_grad():
+        for n in COUNTS:
+            xs = [torch.randn(n, w.shape[1]) for w in weights]
+            best = {"linear": float("inf"), "mm": float("inf")}
+            for _ in range(repeats):  # alternating, the best of each: what the kernel can do
+                for name, fn in (("linear", F.linear), ("mm", mm)):
+                    start = time.perf_counter()
+                    for w, x in zip(weights, xs):
+                        fn(x, w)
+                    best[name] = min(best[name], time.perf_counter() - start)
+            wins[n] = best["mm"] < best["linear"]
+    return frozenset(r for r in range(1, COUNTS[-1] + 1) if wins[next(n for n in COUNTS if n >= r)])
