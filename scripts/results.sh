@@ -90,3 +90,7 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters 
   --json docs/results/wave8_adaptive_echo.json
 batchspec bench --methods autoregressive,eqspec --batch-sizes 1 --gamma 4 --drafters hybrid --adaptive off,on \
   --num-prompts 64 --max-new-tokens 32 --repeat 5 --json docs/results/wave8_adaptive_bs1.json
+# Wave 9 (an Intel Xeon): the lean forward's kernel measured per CPU; plain plans kept only as long
+# as replanning costs; the guard's first measurements against a prior; rows cut short between draft steps.
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/wave9_adaptive.json
