@@ -78,8 +78,9 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
     engine's forward, for the adaptive policy (`sched.adaptive.CostModel`), and `token_s`: what a
     pass at the larger rows and the last column saves per token its other rows are not fed (one
     row fed them all, the rest 1 each). A few forwards per grid point; cached per model, device,
-    dtype, thread count and grid, in memory and on disk (`batchspec/cache.py`). Without a draft model (a
-    model-free drafter) a draft step is priced at MODEL_FREE_STEP_S per row, corrected online.
+    dtype, thread count, grid and kernel choice (`core/kernels.py`), in memory and on disk
+    (`batchspec/cache.py`). Without a draft model (a model-free drafter) a draft step is priced at
+    MODEL_FREE_STEP_S per row, corrected online.
     `catch_up_s`: what a draft step costs more per token it feeds one row beyond its newest (a
     drafter catching up on tokens it did not see: CATCH_UP tokens at once), far less than a row's
     share of a step (bundled draft, one row: 1.10 ms for 1 token, 1.98 for 32, 8.3 for 300, i.e.

@@ -243,9 +243,9 @@ class SpecGuard:
     kept plain one speculative round is run without it. If that round confirms the penalty (it
     took longer for its prediction than plain rounds do) the next exploration waits twice as long
     (at most `max_wait`), else it comes after `explore_every` again: a change (a batch that
-    empties) is noticed, and a penalty that rests on noise is measured away. The other way round too: a
-    batch in which some row always has something worth verifying never runs a plain round by
-    itself, so after `explore_every` speculative rounds in a row one plain round is run to
+    empties) is noticed, and a penalty that rests on noise is measured away. The other way round
+    too: a batch in which some row always has something worth verifying never runs a plain round
+    by itself, so after `explore_every` speculative rounds in a row one plain round is run to
     measure that side, then after twice as many each time.
     """
 
@@ -338,7 +338,7 @@ class AdaptivePolicy:
     last: dict = field(default_factory=dict)  # the last decision, for stats
     guard: SpecGuard = field(default_factory=SpecGuard)  # what the cost model misses, per batch size
     replan_every: int = 8  # see `plain_now`
-    replan_share: float = 0.02  # ... and `planned`
+    replan_share: float = 0.02  # see `keep_rounds`
     _planning: dict = field(default_factory=dict, repr=False)  # batch-size bucket -> seconds a plan takes
     _memo: list | None = field(default=None, repr=False)  # [key, rounds since, kept plain by the guard]
     # accepted drafts and what the estimates expected of them, exponential averages over speculative
@@ -378,9 +378,8 @@ class AdaptivePolicy:
         estimated gain is multiplied. The estimates are biased where the plan looks: a row's
         later rates are the pair's, while the rows that speculate are those with a high first
         rate, whose later rates are high too (seen: 5-12 % more accepted than expected). The ratio
-        of n rounds counts n / (n + `scale_prior_rounds`) against 1: a warm-up's few rounds (2
-        requests of 8 tokens set it to 0.5 and the engine then ran 1.0x where fixed γ made 1.3x)
-        do not decide it."""
+        of n rounds counts n / (n + `scale_prior_rounds`) against 1: a warm-up's few rounds do not
+        decide it (2 requests of 8 tokens had set it to its floor, 0.5, at batch 1)."""
         accepted, expected, n = self._realised
         if expected <= 0:
             return 1.0
