@@ -94,3 +94,6 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 1 --gamma 4 --draf
 # as replanning costs; the guard's first measurements against a prior; rows cut short between draft steps.
 batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
   --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/wave9_adaptive.json
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters ngram,suffix,hybrid \
+  --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
+  --json docs/results/wave9_adaptive_echo.json
