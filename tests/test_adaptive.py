@@ -384,8 +384,8 @@ def test_a_catch_up_is_priced_per_token_fed():
     assert c.catch_up(1, 20) == pytest.approx(20 * 0.027 / 0.09)
     assert CostModel(c.rows, c.cols, c.verify_s, c.draft_s).catch_up(1, 20) == 20  # unprofiled: a row each
     policy = exact_policy(c, gamma_max=4, prior=0.7, margin=1.0)
-    assert any(policy.plan([0.7], [4], first_fed=[1 + policy.catch_up(1, 100)]))  # 10 ms less than
-    assert not any(policy.plan([0.7], [4], first_fed=[1 + 100]))  # priced as a row a token: 19.9 ms, plain
+    assert any(policy.plan([0.7], [4], first_fed=[1 + policy.catch_up(1, 100)]))  # per token: 13.6 ms
+    assert not any(policy.plan([0.7], [4], first_fed=[1 + 100]))  # as a row a token: 19.9 ms, plain
 
 
 def test_drafting_stops_where_the_next_draft_is_not_worth_a_step():

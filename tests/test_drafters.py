@@ -707,8 +707,9 @@ def test_a_lookup_counts_indexing_beyond_a_round_as_catch_up(kind):
 def test_a_lookups_catch_up_is_not_what_a_round_costs():
     """A round's lookup catch-up serves later rounds: the policy's draft time and the gate's round
     time leave it out (`run_round`, `HybridDrafter._clock`). Here every lookup takes 30 ms, all
-    counted as catch-up: counted in, every round that looks up would measure > 30 ms. Every row drafts its cap, so the
-    draft model runs in rounds that look up (timing decides whether the plan would have it)."""
+    counted as catch-up: counted in, every round that looks up would measure > 30 ms. Every row
+    drafts its cap, so the draft model runs in rounds that look up (timing decides whether the
+    plan would have it)."""
     pair, ids, refs = loopy()
     engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=3, gamma=4, drafter="hybrid:ngram",
                                            adaptive=True))
