@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .. import cache as cost_cache
+from .. import cache
 from ..core.forward import make_forward
 from ..core.rows import RowBatch, RowKV
 from ..core.runner import kv_shape, row_inputs
@@ -90,10 +90,10 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
     path = None
     if key not in _PROFILES:
         kernels = [sorted(getattr(make_forward(m, forward), "skinny", ())) for m in (target, draft) if m is not None]
-        path = cost_cache.profile_path(target, draft, {"rows": rows, "cols": cols, "context": context,
+        path = cache.profile_path(target, draft, {"rows": rows, "cols": cols, "context": context,
                                                        "forward": forward, "repeats": repeats,
                                                        "catch_up": CATCH_UP, "kernels": kernels})
-        cached = cost_cache.load(path)
+        cached = cache.load(path)
         if cached is not None:
             _PROFILES[key] = cached
     if key not in _PROFILES:
@@ -113,5 +113,5 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
             one = draft_s[1] if 1 in draft_s else step_time(draft, 1, context, 1, repeats, forward)
             catch_up_s = max(0.0, step_time(draft, 1, context, 1 + CATCH_UP, repeats, forward) - one) / CATCH_UP
         _PROFILES[key] = {"verify_s": verify, "token_s": token_s, "draft_s": draft_s, "catch_up_s": catch_up_s}
-        cost_cache.save(path, _PROFILES[key])
+        cache.save(path, _PROFILES[key])
     return _PROFILES[key]

@@ -54,7 +54,7 @@ class DraftModelDrafter:
         ends = [r.num_tokens for r in reqs]
         logits = runner.feed(reqs, content_ids(reqs, ends, self._unseen, runner.device), self._unseen, logits="last")
         tokens, probs, confidence = [], [], []
-        asked = list(lengths)
+        asked, seen = list(lengths), [[] for _ in reqs]  # seen: q(d_1..d_j) per row, for `stop`
         for j in range(gamma):
             if j > 0:
                 if max(lengths) <= j:  # every row was cut short (`stop`)
@@ -75,7 +75,9 @@ class DraftModelDrafter:
                 confidence.append(q.gather(-1, token[:, None])[:, 0])
             tokens.append(token)
             if self.stop is not None and confidence and not probs and j + 1 < max(lengths):
-                cut = self.stop(reqs, j + 1, torch.stack(confidence, dim=1).tolist(), lengths)
+                for row, q_j in zip(seen, confidence[-1].tolist()):  # (only the newest column is read)
+                    row.append(q_j)
+                cut = self.stop(reqs, j + 1, seen, lengths)
                 lengths[:] = [min(n, max(j + 1, m)) for n, m in zip(lengths, cut)]  # never below what is drafted
         pad = gamma - len(tokens)  # (rows cut short: their lengths say how much of a row is real)
         drafts = torch.stack(tokens, dim=1)

@@ -561,7 +561,7 @@ class AdaptivePolicy:
         after = later[depth - 1] if depth - 1 < len(later) else later[-1]  # d_{depth+1}'s rate
         for i in going:
             r = reqs[i]
-            priors = ([self.alpha(r.stats.first_accepted, r.stats.first_drafted)] + later)[:depth]
+            priors = self._rates(self.alpha(r.stats.first_accepted, r.stats.first_drafted), later, depth)
             if scale * cumulative(self.calibration.rates(confidence[i][:depth], priors))[-1] * after < price:
                 out[i] = depth
         return out
