@@ -388,6 +388,22 @@ def test_a_catch_up_is_priced_per_token_fed():
     assert not any(policy.plan([0.7], [4], first_fed=[1 + 100]))  # as a row a token: 19.9 ms, plain
 
 
+def test_a_catch_up_is_shared_by_the_rounds_the_model_will_draft():
+    """`catch_up_share`, its docstring's example: 60 tokens left at 3 a round, 9 of 10 speculative
+    rounds drafted by a lookup -> 1/3.6 of the catch-up; a request that has not drafted yet, or
+    whose rounds the model drafted, shares it over its remaining tokens at 2 a round (or more)."""
+    def req(remaining, generated, rounds, drafted=0, looked_up=0):
+        stats = SimpleNamespace(rounds=rounds, first_drafted=drafted, looked_up=looked_up)
+        return SimpleNamespace(remaining=remaining, num_generated=generated, stats=stats)
+
+    share = AdaptivePolicy.catch_up_share
+    assert share(req(60, 30, 10, drafted=10, looked_up=9)) == pytest.approx(3 / (60 * 2 / 11))
+    assert share(req(60, 0, 0)) == pytest.approx(2 / 60)  # nothing measured: 2 tokens a round
+    assert share(req(60, 10, 10, drafted=4)) == pytest.approx(2 / 60)  # plain rounds do not slow it below 2
+    assert share(req(60, 30, 10, drafted=10)) == pytest.approx(3 / 60)  # the model drafted all its rounds
+    assert share(req(3, 30, 10, drafted=10, looked_up=10)) == 1.0  # never more than the whole catch-up
+
+
 def test_drafting_stops_where_the_next_draft_is_not_worth_a_step():
     """`AdaptivePolicy.cut`, its docstring's example: at batch 1 a draft step (1.1 ms) is worth 0.18
     tokens of a plain round (6.1 ms). Calibrated, q = 0.2 is accepted 30 % of the time and q = 0.95

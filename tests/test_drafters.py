@@ -592,6 +592,9 @@ def test_the_hybrid_looks_up_before_the_policy_plans(model):
             else:
                 assert fed >= 1.0
     assert model or any(not any(r["caps"]) for r in planned)  # (such rounds happened)
+    # each request counts the rounds its lookup drafted (what its draft model's catch-up is shared by)
+    assert all(o.stats.looked_up <= o.stats.first_drafted for o in outs) and sum(o.stats.looked_up for o in outs)
+    assert model or all(o.stats.looked_up == o.stats.first_drafted for o in outs)
     # the gate hears of every round whose unmatched rows it kept undrafted, plain ones included
     skipped = [any(n == 0 and c > 0 for n, c in zip(r["looked"], r["asked"])) for r in rounds]
     assert sum(undrafted) == sum(skipped) and (model or sum(undrafted) > 0)

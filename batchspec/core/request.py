@@ -26,6 +26,7 @@ class RequestStats:
     accepted: int = 0  # draft tokens the target accepted
     first_drafted: int = 0  # rounds in which it drafted at least one token
     first_accepted: int = 0  # ... and the first draft was accepted
+    looked_up: int = 0  # rounds in which a hybrid drafter's lookup, not its draft model, drafted for it
 
     @property
     def acceptance_rate(self) -> float:

@@ -79,10 +79,10 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             held = [min(h, n) for h, n in zip(held, lengths)] if held is not None else None
         first_fed = None
         if engine.draft_runner is not None:  # the draft model first catches up on what it has not seen:
-            # a one-off cost that serves the rest of the request, so a round is charged its share
-            # (the request's remaining tokens at ~2 a round), priced per token fed (`CostModel.catch_up`)
+            # a one-off cost that serves the rounds it drafts for the request from now on, so a round
+            # is charged its share (`catch_up_share`), priced per token fed (`CostModel.catch_up`)
             first_fed = [1 + policy.catch_up(len(batch), (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1)
-                                             * min(1.0, 2 / r.remaining)) for r in batch]
+                                             * policy.catch_up_share(r)) for r in batch]
             if looked is not None:
                 first_fed = [f if by is None else 0.0 for f, by in zip(first_fed, looked)]
         # a plain plan is kept for the same requests (`plain_now`), but not one made because no
@@ -132,7 +132,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     stats.row_rounds += len(batch)
     stats.idle_rows += target.stats.idle_rows - idle_before
     stats.padding_tokens += sum(drafts.shape[1] - n for n in lengths)
-    for req, a, row, n in zip(batch, accepted, tokens, lengths):
+    for i, (req, a, row, n) in enumerate(zip(batch, accepted, tokens, lengths)):
         emitted = req.append(row[: a + 1])
         stats.emitted += emitted
         req.stats.rounds += 1
@@ -141,6 +141,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             req.stats.accepted += a
             req.stats.first_drafted += n > 0
             req.stats.first_accepted += n > 0 and a > 0
+            req.stats.looked_up += n > 0 and looked is not None and bool(looked[i])
             stats.drafted += n
             stats.accepted += a
             stats.accept_hist[a] += 1

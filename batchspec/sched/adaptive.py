@@ -407,6 +407,24 @@ class AdaptivePolicy:
         return tokens if self.cost is None else self.cost.catch_up(rows, tokens)
 
     @staticmethod
+    def catch_up_share(req) -> float:
+        """The share of the draft model's catch-up on `req` one round is charged. The catch-up
+        serves the rounds in which the model drafts for it from now on: the rounds it has left
+        (remaining tokens at the tokens per round it has made so far, at least 2) times
+        the share of its speculative rounds that the model drafted rather than a hybrid's lookup
+        (counted from one model round, so a request new to drafting counts all its rounds).
+
+        Example: 60 tokens left at 3 a round = 20 rounds; the lookup drafted 9 of its 10
+        speculative rounds, the model's share (1 + 1) / (10 + 1): ~3.6 rounds -> 1/3.6 of the
+        catch-up (it was charged 1/30 when every round was taken for the model's: rows the
+        lookups serve then caught up over and over for one model round each; echo workload,
+        batch 32: catch-up rounds took 58-90 ms predicted at 12-14)."""
+        s = req.stats
+        per_round = max(2.0, req.num_generated / s.rounds if s.rounds else 0.0)
+        model_share = (s.first_drafted - s.looked_up + 1) / (s.first_drafted + 1)
+        return min(1.0, per_round / (max(1, req.remaining) * model_share))
+
+    @staticmethod
     def _fed(lengths: list[int], first_fed: list[float] | None) -> list[float]:
         """Tokens the draft step at each depth feeds (see `tetris.best_budget`: first_fed[i] = 0
         for a row no draft step feeds)."""
