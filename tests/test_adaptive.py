@@ -374,6 +374,21 @@ def test_a_plain_plan_stands_only_as_long_as_planning_costs():
         assert [policy.plain_now(key) for _ in range(kept + 1)] == [True] * kept + [False]
 
 
+def test_a_speculative_round_is_charged_the_plan_a_plain_one_would_keep():
+    """`replan_s`: the round after a speculative one is planned again, while a plain plan stands
+    `keep_rounds`. Plans of 5 ms next to 20 ms plain rounds (kept 8 rounds): a speculative round
+    is charged 5 x 7/8 ms more, which turns a marginal gain (α 0.4) into a plain
+    round and leaves a clear one (α 0.7) speculating; plans too cheap to keep cost nothing."""
+    c = cost(draft=0.002, v1=0.020, v4=0.032)
+    for planning_s, charged in ((None, 0.0), (0.0001, 0.0), (0.005, 0.005 * 7 / 8)):
+        policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
+        if planning_s is not None:
+            policy.planned(8, planning_s)
+        assert policy.replan_s(8) == pytest.approx(charged)
+        assert any(policy.plan([0.4] * 8, [3] * 8)) == (charged == 0.0)
+        assert any(policy.plan([0.7] * 8, [3] * 8))
+
+
 def test_a_catch_up_is_priced_per_token_fed():
     """A drafter's catch-up costs `catch_up_s` a token, not a row's share of a draft step each
     (the docstring's example: 20 tokens -> 6 rows' worth), so a row whose round is charged 100
