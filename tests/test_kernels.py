@@ -35,6 +35,19 @@ def test_the_faster_kernel_is_chosen_per_token_count(fresh):
     # (the second call measured nothing: the same shapes, threads and torch were decided above)
 
 
+def test_every_matrix_is_timed_not_one_per_shape(fresh):
+    """A forward streams all its matrices through the caches; one per shape stays in cache and
+    misjudges the kernels (see core/kernels.py). Five matrices of two shapes: all five are timed."""
+    seen = set()
+
+    def mm(x, w):
+        seen.add(id(w))
+
+    matrices = weights((64, 32), (64, 32), (32, 64), (64, 32), (32, 64))
+    kernels.skinny_counts(matrices, mm, repeats=1)
+    assert seen == {id(w) for w in matrices}
+
+
 def test_a_choice_is_kept_on_disk_and_read_back(fresh, monkeypatch):
     calls = []
 

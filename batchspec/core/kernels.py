@@ -12,10 +12,18 @@ this project controls. Over the bundled target's matrices, 2 threads, float32:
 
 so W @ xᵀ, hard-coded after the first machine, made plain decoding at batch 1 4x slower on the
 second (91 tokens/s against transformers' 156). Neither is hard-coded now: the first lean forward
-of a model on a CPU in float32 times both over the model's own matrix shapes at 1, 2, 4, 8, 16 and
-32 tokens (well under a second for the bundled pair), and `skinny_counts` returns the token counts
-at which W @ xᵀ won (a count between two measured ones follows the larger). The choice is kept per
-CPU, thread count, torch version and shapes, in memory and on disk (`batchspec/cache.py`).
+of a model on a CPU in float32 times both over the model's own matrices at 1, 2, 4, 8, 16 and 32
+tokens, and `skinny_counts` returns the token counts at which W @ xᵀ won (a count between two
+measured ones follows the larger). The choice is kept per CPU, thread count, torch version and
+shapes, in memory and on disk (`batchspec/cache.py`).
+
+Every matrix is timed in the order a forward reads them, not one of each shape: a decoding step
+streams the whole model through the caches, and a kernel that wins on a matrix already in cache
+can lose on one read from memory. Timed one per shape (four matrices, 1.6 MB, cache-resident), the
+EPYC above chose `F.linear` at 2 tokens (0.23 against 0.37 ms); over all 33 of the bundled target's
+(120 MB) W @ xᵀ wins there (5.4 against 6.2 ms), and plain decoding at batch 2 made 105-114
+tokens/s with the first choice against 147-172 with the second. Measuring all of them takes
+0.75 s for the bundled target, 0.2 s for its draft, once per machine.
 """
 
 from __future__ import annotations
@@ -33,19 +41,20 @@ _CHOSEN: dict[tuple, frozenset[int]] = {}
 
 def skinny_counts(weights: list[torch.Tensor], mm, repeats: int = 7) -> frozenset[int]:
     """Token counts (1..COUNTS[-1]) at which `mm(x, weight)` (W @ xᵀ) beats `F.linear` over
-    `weights` on this machine; empty off the CPU or outside float32, where `F.linear` is used."""
+    `weights` (all of a forward's matrices, in its order) on this machine; empty off the CPU or
+    outside float32, where `F.linear` is used."""
     if not weights or weights[0].device.type != "cpu" or weights[0].dtype != torch.float32:
         return frozenset()
     shapes = sorted({tuple(w.shape) for w in weights})
-    key = (tuple(shapes), torch.get_num_threads(), torch.__version__)
+    key = (tuple(shapes), len(weights), torch.get_num_threads(), torch.__version__)
     if key not in _CHOSEN:
-        path = cache.keyed_path("kernels", {"shapes": shapes, "cpu": cache.cpu_name(), "dtype": "float32"})
+        path = cache.keyed_path("kernels", {"shapes": shapes, "cpu": cache.cpu_name(), "dtype": "float32",
+                                            "matrices": len(weights)})  # (choices timed per shape are not reused)
         stored = cache.read(path)
         if isinstance(stored, list) and all(isinstance(n, int) for n in stored):
             _CHOSEN[key] = frozenset(stored)
         else:
-            unique = list({tuple(w.shape): w for w in weights}.values())
-            _CHOSEN[key] = _measure(unique, mm, repeats)
+            _CHOSEN[key] = _measure(weights, mm, repeats)
             cache.write(path, sorted(_CHOSEN[key]))
     return _CHOSEN[key]
 
