@@ -16,14 +16,18 @@ error, and the loop goes on serving the others.
 where engine state (queue, KV in use, the statistics) can be read without racing the rounds.
 Outputs reach each event loop in one callback per step, not one per request.
 
-`few_rows` (a server's setting): while at most this many requests are in the engine, a CPU engine
-runs its rounds on `few_threads` torch threads (default 1) instead of all of them. A round of one
-or two rows is a chain of small matrix products; spread over every core, each of them waits for
-all its threads, and the event loop, the HTTP handlers and, on one machine, the clients preempt
-one thread or another all the time. Measured on this project's 2-core machine, one streaming
-client, autoregressive: 68-88 tokens/s on 2 threads, 106-130 on one (offline, with nothing else
-running, 2 threads are faster). Larger batches keep every thread (at 8 clients 2 threads served
-the speculative default 342 tokens/s against 263 on one).
+`start=False` leaves the loop to the caller: `run()` runs it on the calling thread until `close()`.
+`batchspec serve` does that on the thread that loaded the models, and serves HTTP from another.
+With torch's OpenMP build, a process in which two threads have both run parallel regions pays for
+it in every later one (two thread pools on the cores): built and warmed up on the main thread, the
+bundled target's plain rounds at 8 rows took 25 ms on a loop thread against 16.5 ms on the main
+thread, and 14.7 ms with everything on one other thread (five runs each, 64 tokens per row).
+
+`few_rows` (a server's setting, off by default): while at most this many requests are in the
+engine, a CPU engine runs its rounds on `few_threads` torch threads (default 1) instead of all of
+them, leaving the other cores to the HTTP side. Measured with the loop on its own thread, one
+streaming client got 106-130 tokens/s on one thread against 68-88 on two; with the loop on the
+main thread (`serve`), two threads are faster (89-105 against 69-72), so `serve` leaves it off.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class QueueFull(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: SpecEngine, max_waiting: int | None = None,
                  on_step: Callable[[list[StepOutput]], None] | None = None, few_rows: int = 0,
-                 few_threads: int = 1) -> None:
+                 few_threads: int = 1, start: bool = True) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.on_step = on_step
@@ -61,13 +65,22 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="batchspec-engine", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if start:
+            self._thread = threading.Thread(target=self._loop, name="batchspec-engine", daemon=True)
+            self._thread.start()
+
+    def run(self, alive: Callable[[], bool] | None = None) -> None:
+        """Run the loop on the calling thread (an engine made with `start=False`) until `close()`,
+        or until `alive()` turns false (checked after every step, and every 0.1 s while idle)."""
+        if self._thread is not None:
+            raise RuntimeError("this engine's loop already runs on its own thread")
+        self._loop(alive)
 
     # ----------------------------------------------------------------------------- the loop thread
-    def _loop(self) -> None:
+    def _loop(self, alive: Callable[[], bool] | None = None) -> None:
         engine = self.engine
-        while not self._stopped:
+        while not self._stopped and (alive is None or alive()):
             if not engine.has_unfinished():
                 self._wake.wait(0.1)
                 self._wake.clear()
@@ -117,13 +130,14 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         """Whether the loop thread is alive and serving."""
-        return not self._stopped and self._thread.is_alive()
+        return not self._stopped and (self._thread is None or self._thread.is_alive())
 
     def close(self) -> None:
         """Stop the loop thread; requests still in flight fail (their consumers get a RuntimeError)."""
         self._stopped = True
         self._wake.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
         if self.few_rows > 0:  # per thread with OpenMP builds, process-wide with others: leave it as found
             torch.set_num_threads(self.all_threads)
         self._fail_all(RuntimeError("the engine was closed"))

@@ -497,7 +497,7 @@ def serve(
     served_model_name: str = typer.Option(None, "--served-model-name",
                                           help="Model id clients name (default: --target, or batchspec/default_pair)"),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level (info logs every request)"),
-    few_rows: int = typer.Option(2, "--single-thread-rows",
+    few_rows: int = typer.Option(0, "--single-thread-rows",
                                  help="On a CPU, run rounds on one torch thread while at most this many requests "
                                       "are in the engine, leaving the other cores to the HTTP side (0 = never)"),
 ):
@@ -522,8 +522,11 @@ def serve(
     console.print(f"serving [bold]{name}[/] ({config.method}, batch {config.batch_size}"
                   f"{f', gamma {config.gamma}' if config.speculative else ''}) on http://{host}:{port}/v1"
                   f"{' with an API key' if api_key else ''}")
-    run_server(engine, host=host, port=port, model_name=name, api_key=api_key, max_waiting=max_waiting,
-               log_level=log_level, few_rows=few_rows)
+    try:
+        run_server(engine, host=host, port=port, model_name=name, api_key=api_key, max_waiting=max_waiting,
+                   log_level=log_level, few_rows=few_rows)
+    except RuntimeError as exc:
+        fail(str(exc))
 
 
 @app.command()

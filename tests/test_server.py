@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -22,7 +24,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchspec import EngineConfig, SamplingParams, SpecEngine, load_pair
-from batchspec.server import create_app
+from batchspec.server import create_app, serve
 from batchspec.server.app import OpenAIServer
 
 torch.set_num_threads(1)  # the machine is shared: one thread per torch process
@@ -503,3 +505,43 @@ def test_timed_requests_start_after_the_warm_up_prompts(monkeypatch):
     results = asyncio.run(loadtest._wave(None, "m", prompts, 6, 3, first=3))
     assert [r.prompt_index for r in results] == [3, 4, 0, 1, 2, 3]
     assert [r.text for r in results] == ["p3", "p4", "p0", "p1", "p2", "p3"]
+
+
+def test_serve_steps_the_engine_on_its_own_thread_and_stops_on_sigterm(tiny_dirs):
+    """`serve` runs the rounds on the thread that called it (the one that loaded the models: see
+    AsyncEngine) and HTTP on another; SIGTERM stops it; a port already taken is a RuntimeError."""
+    engine = SpecEngine(load_pair(tiny_dirs["target"], tiny_dirs["draft"]), EngineConfig(**CONFIG))
+    reference = SpecEngine(load_pair(tiny_dirs["target"], tiny_dirs["draft"]), EngineConfig(**CONFIG))
+    stepped_on, step = set(), engine.step
+
+    def recording_step():
+        stepped_on.add(threading.current_thread())
+        return step()
+
+    engine.step = recording_step
+    url, got = f"http://127.0.0.1:{(port := free_port())}", {}
+
+    def client():  # SIGTERM only once the server answered: serve's handler is in place by then
+        deadline = time.monotonic() + 60
+        while "health" not in got and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                got["health"] = httpx.get(url + "/health").status_code
+            time.sleep(0.05)
+        if "health" in got:
+            with contextlib.suppress(httpx.HTTPError):
+                body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0}
+                got["text"] = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    serve(engine, port=port, model_name=MODEL)
+    thread.join(timeout=5)
+    assert got.get("health") == 200
+    assert got.get("text") == reference.generate([PROMPTS[2]], SamplingParams(max_new_tokens=10))[0].text
+    assert stepped_on == {threading.current_thread()}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RuntimeError, match="did not start"):
+            serve(engine, port=taken.getsockname()[1], model_name=MODEL)

@@ -342,6 +342,43 @@ def test_async_streams_and_cancellation():
         engine.close()
 
 
+def test_the_loop_runs_on_the_calling_thread_when_asked():
+    """`start=False`: no loop thread; `run()` steps the engine on the caller's thread (what `serve`
+    does, see AsyncEngine) while coroutines on another thread's event loop submit and stream, and
+    returns once `alive()` turns false."""
+    import asyncio
+
+    from batchspec.async_engine import AsyncEngine
+
+    p, ids, refs = workload()
+    stepped_on = set()
+    engine = AsyncEngine(SpecEngine(p, EngineConfig(drafter="draft_model", batch_size=4, gamma=3)), start=False,
+                         on_step=lambda outs: stepped_on.add(threading.current_thread()))
+    got = {}
+
+    def client():
+        async def main():
+            return await asyncio.gather(*(engine.generate(ids[i], SamplingParams(max_new_tokens=MAX_NEW))
+                                          for i in range(5)))
+        got["outs"] = asyncio.run(main())
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    try:
+        engine.run(alive=thread.is_alive)
+        thread.join()
+    finally:
+        engine.close()
+    assert [o.token_ids for o in got["outs"]] == refs[:5]
+    assert stepped_on == {threading.current_thread()}
+    threaded = AsyncEngine(engine.engine)
+    try:
+        with pytest.raises(RuntimeError, match="own thread"):
+            threaded.run()
+    finally:
+        threaded.close()
+
+
 def test_few_requests_run_on_few_threads():
     """`few_rows`: while at most that many requests are in, rounds run on `few_threads` torch
     threads; more requests get every thread back; closing leaves the setting as it was found.

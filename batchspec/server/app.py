@@ -24,6 +24,8 @@ import asyncio
 import json
 import logging
 import secrets
+import signal
+import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Any
@@ -276,21 +278,26 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def create_app(engine: SpecEngine, *, model_name: str = "batchspec", api_key: str | None = None,
+def create_app(engine: SpecEngine | AsyncEngine, *, model_name: str = "batchspec", api_key: str | None = None,
                max_waiting: int | None = None, few_rows: int = 0) -> FastAPI:
-    """The FastAPI app over `engine`. Its loop thread starts with the app (lifespan) and stops with it;
-    `app.state.server` holds the handlers' state (`.engine` is the AsyncEngine once started).
-    few_rows: see `AsyncEngine` (one torch thread while at most that many requests are in)."""
-    server = OpenAIServer(engine, model_name)
+    """The FastAPI app over `engine`. Given a SpecEngine, its AsyncEngine loop thread starts with
+    the app (lifespan) and stops with it (max_waiting, few_rows: see `AsyncEngine`); given an
+    AsyncEngine, whoever made it runs and closes it (`serve`: on the main thread). Either way
+    `app.state.server` holds the handlers' state (`.engine` is the AsyncEngine once started)."""
+    given = engine if isinstance(engine, AsyncEngine) else None
+    server = OpenAIServer(engine.engine if given is not None else engine, model_name)
+    if given is not None:
+        given.on_step = server.metrics.on_step
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.engine = AsyncEngine(engine, max_waiting=max_waiting, on_step=server.metrics.on_step,
-                                    few_rows=few_rows)
+        server.engine = given or AsyncEngine(engine, max_waiting=max_waiting, on_step=server.metrics.on_step,
+                                             few_rows=few_rows)
         try:
             yield
         finally:
-            server.engine.close()
+            if given is None:
+                server.engine.close()
 
     app = FastAPI(title="batchspec", lifespan=lifespan)
     app.state.server = server
@@ -339,8 +346,32 @@ def warm_up(engine: SpecEngine) -> None:
 def serve(engine: SpecEngine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "batchspec",
           api_key: str | None = None, max_waiting: int | None = None, log_level: str = "warning",
           few_rows: int = 0) -> None:
+    """Serve until interrupted (Ctrl-C or SIGTERM). The engine's rounds run on the calling thread,
+    the one that loaded the models and warmed them up, and uvicorn on another: with torch's OpenMP
+    build, rounds on a second thread after the first had run torch took 1.5x as long (see
+    `AsyncEngine`). Raises RuntimeError when the HTTP server cannot start (e.g. the port is taken)."""
     import uvicorn
 
     warm_up(engine)
-    app = create_app(engine, model_name=model_name, api_key=api_key, max_waiting=max_waiting, few_rows=few_rows)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level in ("info", "debug", "trace"))
+    runner = AsyncEngine(engine, max_waiting=max_waiting, few_rows=few_rows, start=False)
+    app = create_app(runner, model_name=model_name, api_key=api_key)
+    http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                         access_log=log_level in ("info", "debug", "trace")))
+    thread = threading.Thread(target=http.run, name="batchspec-http", daemon=True)  # (no signal handlers there)
+    on_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
+    thread.start()
+    try:
+        try:
+            runner.run(alive=thread.is_alive)
+        except KeyboardInterrupt:  # uvicorn stops taking requests and finishes those in flight: keep
+            http.should_exit = True  # serving them until it is done (a second signal cuts that short)
+            runner.run(alive=thread.is_alive)
+    except KeyboardInterrupt:
+        http.force_exit = True
+    finally:
+        http.should_exit = True
+        thread.join(timeout=30)
+        runner.close()
+        signal.signal(signal.SIGTERM, on_term)
+    if not http.started:
+        raise RuntimeError(f"the HTTP server did not start on {host}:{port} (see the log above)")
