@@ -129,11 +129,12 @@ class AsyncEngine:
 
     @property
     def running(self) -> bool:
-        """Whether the loop thread is alive and serving."""
+        """Whether the loop serves: its thread is alive (with `start=False`: until closed)."""
         return not self._stopped and (self._thread is None or self._thread.is_alive())
 
     def close(self) -> None:
-        """Stop the loop thread; requests still in flight fail (their consumers get a RuntimeError)."""
+        """Stop the loop (with `start=False`, call it once `run()` has returned); requests still in
+        flight fail (their consumers get a RuntimeError)."""
         self._stopped = True
         self._wake.set()
         if self._thread is not None:

@@ -195,7 +195,7 @@ class LeanForward:
         self.rotary = body.rotary_emb
         self.cos = self.sin = None  # [P, head_dim] tables over positions 0..P-1, grown on demand
         fused = [f for layer in self.layers for f in (layer[1], layer[6])]
-        matrices = [f.weight for f in fused] + [m.weight for layer in self.layers for m in (layer[2], layer[7])]
+        matrices = [m.weight for layer in self.layers for m in (layer[1], layer[2], layer[6], layer[7])]  # (in order)
         self.skinny = skinny_counts(matrices + [self.head.weight], matmul)  # which kernel, measured per CPU
         for f in fused:
             f.skinny = self.skinny
