@@ -97,3 +97,20 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 -
 batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters ngram,suffix,hybrid \
   --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
   --json docs/results/wave9_adaptive_echo.json
+# Wave 10 (the Xeon): a draft model's catch-up shared by the rounds it will draft.
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/wave10_adaptive.json
+for w in echo plain; do
+  g=$([ "$w" = echo ] && echo 8 || echo 4)
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
+    --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma "$g" --workload "$w" \
+    --json "docs/results/wave10_adaptive_$w.json"
+done
+# Wave 11 (the AMD EPYC): kernels timed over every matrix, speculative rounds charged their replanning,
+# serve's rounds on the main thread.
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/wave11_adaptive.json
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters ngram,suffix,hybrid \
+  --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
+  --json docs/results/wave11_adaptive_echo.json
+SERVERS="ar spec hf" REPEAT=2 ./scripts/serve_bench.sh docs/results/serve_wave11
