@@ -21,6 +21,7 @@ round failed (the server keeps serving the others).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -357,7 +358,11 @@ def serve(engine: SpecEngine, *, host: str = "127.0.0.1", port: int = 8000, mode
     app = create_app(runner, model_name=model_name, api_key=api_key)
     http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                          access_log=log_level in ("info", "debug", "trace")))
-    thread = threading.Thread(target=http.run, name="batchspec-http", daemon=True)  # (no signal handlers there)
+    def run_http() -> None:  # (no signal handlers off the main thread)
+        with contextlib.suppress(SystemExit):  # uvicorn exits when it cannot start: said below
+            http.run()
+
+    thread = threading.Thread(target=run_http, name="batchspec-http", daemon=True)
     on_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it like Ctrl-C
     thread.start()
     try:
