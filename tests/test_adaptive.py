@@ -65,6 +65,8 @@ def test_round_seconds_is_draft_plus_verify(b, packed, data, scales, drafts):
     total, deepest = sum(lengths), max(lengths)
     expected = policy.draft_s(b, fed) + policy.verify_s(b, total, deepest)
     assert c.round_seconds(b, packed)(total, fed) == pytest.approx(expected)
+    charged = c.round_seconds(b, packed, spec_s=0.003)  # (replanning: only rounds that verify drafts)
+    assert charged(total, fed) == pytest.approx(expected + (0.003 if total else 0.0))
     done = c.round_seconds(b, packed, drafted_s=0.5)
     assert done(total, fed) == pytest.approx(0.5 + policy.verify_s(b, total, deepest))
 

@@ -139,12 +139,14 @@ class CostModel:
             return tokens
         return tokens * min(1.0, self.catch_up_s / per_row)
 
-    def round_seconds(self, b: int, packed: bool = True, drafted_s: float | None = None) -> Callable:
+    def round_seconds(self, b: int, packed: bool = True, drafted_s: float | None = None,
+                      spec_s: float = 0.0) -> Callable:
         """seconds(total, fed) of a round over b rows: a draft step per depth j feeding fed[j]
         tokens (`draft`, of max(fed[j], b) rows when not packed), or `drafted_s` when the drafting
         is done, plus a verify pass of `total` drafts, the longest row len(fed) deep (`ragged`, or
-        `verify` at 1 + len(fed) columns when not packed). The same numbers as those methods, with
-        what depends on b read once: a plan calls it for every draft it ranks (hundreds at 32 rows)."""
+        `verify` at 1 + len(fed) columns when not packed), plus `spec_s` when it verifies any. The
+        same numbers as those methods, with what depends on b read once: a plan calls it for every
+        draft it ranks (hundreds at 32 rows)."""
         b0, b1 = self.rows
         slope = (self.draft_s[b1] - self.draft_s[b0]) / (b1 - b0) if b1 != b0 else 0.0
         base, dscale = self.draft_s[b0] - slope * b0, self.draft_scale
@@ -169,7 +171,7 @@ class CostModel:
             unscaled = table[deepest] if deepest <= last else self.profiled(b, 1 + deepest)
             if packed:
                 unscaled = max(floor, unscaled - save * (b * deepest - total))
-            return draft + max(1e-6, spec * unscaled)
+            return draft + max(1e-6, spec * unscaled) + spec_s
 
         return seconds
 
@@ -530,11 +532,8 @@ class AdaptivePolicy:
         scale = self.gain_scale()
         gains = [self._gains(self._rates(a, later, c), w, scale) for a, c, w in zip(alphas, caps, weights)]
         b = len(caps)
-        seconds = self.cost.round_seconds(b, self.packed)
-        replan = self.replan_s(b)
-        if replan > 0:  # a speculative round is planned again next round; a plain plan stands a while
-            round_s = seconds
-            seconds = lambda total, fed: round_s(total, fed) + (replan if total else 0.0)  # noqa: E731
+        # a speculative round is planned again next round; a plain plan stands a while
+        seconds = self.cost.round_seconds(b, self.packed, spec_s=self.replan_s(b))
         lengths, rate = best_budget(self._capped(gains, held), seconds, sum(weights), first_fed, held)
         if any(held or ()):  # no plain round to weigh it against
             return lengths, False
