@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tiny import VOCAB, make_model
 from transformers import DynamicCache
 
+from batchspec.core.forward import cache_arg
 from batchspec.core.request import Request
 from batchspec.core.rows import RowKV
 from batchspec.core.runner import ModelRunner, row_inputs
@@ -27,7 +28,7 @@ def alone_kv(tokens: list[int]) -> list[torch.Tensor]:
     """Keys per layer of one sequence computed by itself, no padding: [H, len, D] each."""
     cache = DynamicCache()
     with torch.no_grad():
-        MODEL(input_ids=torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+        MODEL(input_ids=torch.tensor([tokens]), use_cache=True, **{cache_arg(MODEL): cache})
     return [layer.keys[0] for layer in cache.layers]
 
 

@@ -26,6 +26,7 @@ Inputs (as `core.runner.ModelRunner.feed` builds them), for b rows fed n columns
 
 from __future__ import annotations
 
+import inspect
 import weakref
 
 import torch
@@ -37,11 +38,18 @@ LEAN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3")  # inverse frequencies that do not depend on length
 
 
+def cache_arg(model) -> str:
+    """The name the model's forward takes its KV cache by: `cache` in recent transformers 5.x,
+    `past_key_values` before (which later versions still take, with a deprecation warning)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class HFForward:
     """The model's own forward (transformers modules)."""
 
     def __init__(self, model) -> None:
         self.model = model
+        self.cache_arg = cache_arg(model)
 
     def __call__(self, ids, positions, kv, visible, select=None) -> torch.Tensor | None:
         # transformers takes a prepared 4-D mask as it is; an additive float mask suits eager and sdpa alike
@@ -55,8 +63,8 @@ class HFForward:
         # one mask per layer type ({"full_attention": ..., "sliding_attention": ...}) or one for all
         mask = {k: additive(v) for k, v in visible.items()} if isinstance(visible, dict) else additive(visible)
         with torch.no_grad():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv,
-                             use_cache=True, logits_to_keep=1 if select is False else 0)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             use_cache=True, **{self.cache_arg: kv}, logits_to_keep=1 if select is False else 0)
         return _select(out.logits, select)
 
 

@@ -26,7 +26,7 @@ from transformers.cache_utils import DynamicLayer
 
 from ..sched.slots import is_tight
 from .attention import SLIDING, attention_layout, layer_masks, rope_limit, rope_rows
-from .forward import make_forward
+from .forward import cache_arg, make_forward
 from .request import Request
 from .rows import RowBatch, RowKV
 
@@ -47,8 +47,8 @@ def kv_shape(model) -> tuple[int, int, int]:
     attention_layout(model)  # refuses layer types it cannot serve
     cache = DynamicCache()
     with torch.no_grad():
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), past_key_values=cache,
-              use_cache=True)
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), use_cache=True,
+              **{cache_arg(model): cache})
     shapes = {(tuple(layer.keys.shape), tuple(layer.values.shape)) for layer in cache.layers}
     if not all(isinstance(layer, DynamicLayer) for layer in cache.layers) or len(shapes) != 1:
         raise ValueError(f"{type(model).__name__} uses a KV cache layout batchspec does not support "
