@@ -23,8 +23,7 @@ def weights(*shapes):
 
 
 def test_the_faster_kernel_is_chosen_per_token_count(fresh):
-    """A W @ x^T that wins only at 1 and 2 tokens is taken there and nowhere else; a count between
-    two measured ones follows the larger (3 follows 4: F.linear)."""
+    """A W @ x^T that wins only at 1 and 2 tokens is taken there and nowhere else."""
     def mm(x, w):
         if x.shape[0] > 2:
             time.sleep(0.002)  # F.linear over these small matrices takes microseconds
@@ -33,6 +32,19 @@ def test_the_faster_kernel_is_chosen_per_token_count(fresh):
     assert kernels.skinny_counts(weights((512, 512), (256, 512)), mm, repeats=2) == {1, 2}
     assert kernels.skinny_counts(weights((512, 512), (256, 512)), lambda x, w: time.sleep(0.002), repeats=2) == {1, 2}
     # (the second call measured nothing: the same shapes, threads and torch were decided above)
+
+
+def test_every_count_a_verify_pass_feeds_is_timed(fresh):
+    """Up to 12 tokens each count is measured (a pass at 4 rows by 2 tokens feeds 8): a W @ x^T that
+    loses at 4 and 8 but wins at 5 to 7 is taken at 5 to 7. Above 12 a count follows the next
+    measured one (13 to 15 follow 16)."""
+    def mm(x, w):
+        if x.shape[0] in (4, 8, 9, 10, 11, 12, 24, 32):
+            time.sleep(0.002)
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    chosen = kernels.skinny_counts(weights((512, 512)), mm, repeats=2)
+    assert chosen == {1, 2, 3, 5, 6, 7, 13, 14, 15, 16}
 
 
 def test_every_matrix_is_timed_not_one_per_shape(fresh):
