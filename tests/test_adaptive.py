@@ -113,6 +113,34 @@ def test_may_speculate_bounds_the_plan_with_free_drafting():
     assert policy.may_speculate([0.05] * 8, [3] * 8, held=[1] + [0] * 7)  # a held row drafts anyway
 
 
+def test_lookups_are_priced_by_what_they_are_likely_to_find_and_index():
+    """Before a hybrid's lookups, a row costs the model's price times the chance its lookup finds
+    nothing (`decode/round.py`): rows whose lookups keep finding nothing are not looked up where
+    only free drafts would pay. What a lookup would index first is charged to a speculative round
+    (`index_s`), in `may_speculate` and in `plan` alike."""
+    per_row = cost()
+    per_row.draft_s = {1: 0.002, 8: 0.016}  # a draft step costs 2 ms a row
+    policy = exact_policy(per_row, gamma_max=3, margin=1.0)
+    assert policy.plan([0.6] * 8, [3] * 8) == [0] * 8  # 8 x 1.6 tokens / 40 ms < 8 / 20 ms
+    assert policy.may_speculate([0.6] * 8, [3] * 8)  # free drafts would pay
+    assert policy.may_speculate([0.6] * 8, [3] * 8, first_fed=[0.1] * 8)  # lookups likely to find something
+    assert not policy.may_speculate([0.6] * 8, [3] * 8, first_fed=[0.9] * 8)  # ... or not
+    cheap = exact_policy(cost(draft=0.0005), gamma_max=3, margin=1.0)
+    assert any(cheap.plan([0.6] * 8, [3] * 8))
+    assert cheap.may_speculate([0.6] * 8, [3] * 8, index_s=0.001)
+    assert not cheap.may_speculate([0.6] * 8, [3] * 8, index_s=0.05)  # indexing costs more than a round
+    assert cheap.plan([0.6] * 8, [3] * 8, index_s=0.05) == [0] * 8
+
+
+def test_index_share_follows_the_rounds_left():
+    fresh = SimpleNamespace(stats=SimpleNamespace(rounds=0), num_generated=0, remaining=32)
+    assert AdaptivePolicy.index_share(fresh) == pytest.approx(1 / 16)  # 2 tokens a round assumed
+    going = SimpleNamespace(stats=SimpleNamespace(rounds=10), num_generated=40, remaining=40)
+    assert AdaptivePolicy.index_share(going) == pytest.approx(0.1)  # 4 a round: 10 rounds left
+    ending = SimpleNamespace(stats=SimpleNamespace(rounds=10), num_generated=40, remaining=1)
+    assert AdaptivePolicy.index_share(ending) == 1.0
+
+
 def test_gain_scale_corrects_the_estimates_by_what_was_accepted():
     """Accepted over expected drafts, averaged over speculative rounds, scales every estimated gain
     (within [0.5, 2], n rounds weighed against 8 at 1): estimates that fall short of what is

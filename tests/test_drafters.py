@@ -541,6 +541,48 @@ def test_hybrid_mixes_rows_and_keeps_the_draft_kv_exact():
     assert calls == [m for m, _ in mixes if m]  # ... which only ever saw the rows it drafted for
 
 
+def test_a_lookup_prices_what_it_would_index_first():
+    """`index_s`: the tokens a lookup has not indexed (a row's own, and for greedy rows the
+    finished requests waiting for the shared trie, at those rows' mean share) times the seconds
+    a token measured; nothing before a catch-up was timed."""
+    drafter = SuffixDrafter(CPU)
+    first, second = request(range(100), 0), request(range(200, 250), 1)
+    assert drafter.index_s([first], [1.0]) == 0.0  # not timed yet
+    drafter.find(first, 4)  # indexes 100 tokens at once: timed
+    rate = drafter.token_s
+    assert rate > 0 and drafter.unindexed(first) == 0 and drafter.unindexed(second) == 50
+    assert drafter.index_s([first, second], [0.5, 0.25]) == pytest.approx(rate * 50 * 0.25)
+    first.finish_reason = FinishReason.LENGTH
+    drafter.release(first)  # its 100 tokens wait for the shared trie
+    sampled = Request(2, list(range(300, 340)), SamplingParams(max_new_tokens=9, temperature=1.0), frozenset())
+    assert drafter.index_s([second, sampled], [0.25, 0.5]) == pytest.approx(rate * (50 * 0.25 + 40 * 0.5 + 100 * 0.25))
+    ngram = NgramDrafter(CPU)
+    ngram.prefill([second], [50])  # (the n-gram index takes prompts in at prefill)
+    ngram.token_s = rate
+    assert ngram.index_s([second], [1.0]) == 0.0
+    second.token_ids.extend(range(30))
+    assert ngram.index_s([second], [0.5]) == pytest.approx(rate * 30 * 0.5)
+
+
+@pytest.mark.parametrize("hits", [0.0, 1.0])
+def test_a_row_is_priced_before_its_lookup_by_how_often_it_finds_something(hits, monkeypatch):
+    """Before a hybrid's lookahead, `may_speculate` gets each row's draft-model price times the
+    chance its lookup finds nothing: the model's price for a row whose lookups never find
+    anything, nothing for one whose always do."""
+    pair, ids, refs = loopy()
+    engine = SpecEngine(pair, EngineConfig(batch_size=3, gamma=4, drafter="hybrid:ngram", adaptive=True))
+    monkeypatch.setattr(type(engine.drafter), "hit_rate", staticmethod(lambda req: hits))
+    seen, may = [], engine.policy.may_speculate
+
+    def recording(*args, first_fed=None, **kwargs):
+        seen.append(list(first_fed))
+        return may(*args, first_fed=first_fed, **kwargs)
+
+    engine.policy.may_speculate = recording
+    assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))] == refs
+    assert seen and all((f >= 1.0) if hits == 0.0 else (f == 0.0) for fed in seen for f in fed)
+
+
 @pytest.mark.parametrize("model", [True, False])
 def test_the_hybrid_looks_up_before_the_policy_plans(model):
     """With a policy, the hybrid's lookups run before the plan (`HybridDrafter.lookahead`): a row
@@ -570,7 +612,7 @@ def test_the_hybrid_looks_up_before_the_policy_plans(model):
 
     def planning(alphas, caps, weights=None, first_fed=None, **kwargs):
         lengths = plan(alphas, caps, weights, first_fed, **kwargs)
-        if "looked" in rounds[-1] and "caps" not in rounds[-1]:
+        if rounds and "looked" in rounds[-1] and "caps" not in rounds[-1]:
             rounds[-1].update(caps=list(caps), first_fed=list(first_fed), kept=policy._memo)
         return lengths
 

@@ -70,25 +70,34 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             most = max(r.remaining for r in batch)
             weights = [r.remaining / most for r in batch]
         before, planning = dict(timer.totals), time.perf_counter()
-        # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
-        # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
-        if hasattr(engine.drafter, "lookahead") and policy.may_speculate(alphas, lengths, weights, held):
-            with timer.stage("draft"):
-                looked = engine.drafter.lookahead(batch, lengths)
-            lengths = [n if f is None else min(n, f) for n, f in zip(lengths, looked)]
-            held = [min(h, n) for h, n in zip(held, lengths)] if held is not None else None
         first_fed = None
         if engine.draft_runner is not None:  # the draft model first catches up on what it has not seen:
             # a one-off cost that serves the rounds it drafts for the request from now on, so a round
             # is charged its share (`catch_up_share`), priced per token fed (`CostModel.catch_up`)
             first_fed = [1 + policy.catch_up(len(batch), (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1)
                                              * policy.catch_up_share(r)) for r in batch]
-            if looked is not None:
-                first_fed = [f if by is None else 0.0 for f, by in zip(first_fed, looked)]
+        # a lookup drafter first indexes what it has not seen: a one-off priced at each row's share
+        index_s = 0.0
+        if hasattr(engine.drafter, "index_s"):
+            index_s = engine.drafter.index_s(batch, [policy.index_share(r) for r in batch])
+        # a hybrid drafter's lookups, done first when they may pay: what a row's lookup proposes
+        # bounds its length, and a row the lookup drafts costs no draft-model step (first_fed 0);
+        # before looking, a row costs the model's price times the chance its lookup finds nothing
+        if hasattr(engine.drafter, "lookahead"):
+            model = first_fed or [1.0] * len(batch)
+            expected = [f * (1 - engine.drafter.hit_rate(r)) for f, r in zip(model, batch)]
+            if policy.may_speculate(alphas, lengths, weights, held, index_s=index_s, first_fed=expected):
+                with timer.stage("draft"):
+                    looked = engine.drafter.lookahead(batch, lengths)
+                lengths = [n if f is None else min(n, f) for n, f in zip(lengths, looked)]
+                held = [min(h, n) for h, n in zip(held, lengths)] if held is not None else None
+                if first_fed is not None:
+                    first_fed = [f if by is None else 0.0 for f, by in zip(first_fed, looked)]
         # a plain plan is kept for the same requests (`plain_now`), but not one made because no
         # lookup found anything: that changes from round to round
         keep = looked is None or any(lengths)
-        lengths = policy.plan(alphas, lengths, weights, first_fed, key=key if keep else None, held=held)
+        lengths = policy.plan(alphas, lengths, weights, first_fed, key=key if keep else None, held=held,
+                              index_s=index_s if looked is None else 0.0)  # (done by the lookahead)
         policy.planned(len(batch), time.perf_counter() - planning)
     g = max(lengths)
 

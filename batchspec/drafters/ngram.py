@@ -106,15 +106,48 @@ class LookupDrafter:
     synthetic = False
     device = None
     catch_up_s = 0.0  # seconds of indexing beyond a round's own tokens, in total (see above)
+    token_s: float | None = None  # seconds to index one token, measured (see `index_s`)
 
     def _catch_up(self, extend: Callable[[], None], new: int, normal: int) -> None:
         """Run `extend`, which indexes `new` tokens; the share beyond `normal` counts as catch-up."""
-        if new <= normal:
-            extend()
-            return
         start = time.perf_counter()
         extend()
-        self.catch_up_s += (time.perf_counter() - start) * (new - normal) / new
+        if new > normal:
+            self._indexed(time.perf_counter() - start, new)
+            self.catch_up_s += (time.perf_counter() - start) * (new - normal) / new
+
+    def _indexed(self, seconds: float, tokens: int) -> None:
+        """`tokens` indexed at once took `seconds`: the per-token cost `index_s` prices, an
+        exponential average (calls of a few tokens are mostly overhead, and are not timed)."""
+        if tokens >= 16:
+            rate = seconds / tokens
+            self.token_s = rate if self.token_s is None else self.token_s + 0.2 * (rate - self.token_s)
+
+    def unindexed(self, req: Request) -> int:
+        """Tokens of `req` its index has not seen (the next lookup indexes them)."""
+        raise NotImplementedError
+
+    def shared_unindexed(self) -> int:
+        """Tokens waiting for an index every greedy row reads (suffix's shared trie), 0 if none."""
+        return 0
+
+    def index_s(self, reqs: list[Request], shares: list[float]) -> float:
+        """Seconds of indexing that looking up `reqs` now would start with, each row's weighted by
+        `shares[i]`, the share of it one round is charged (`AdaptivePolicy.index_share`): a one-off
+        that serves the row's later lookups too (an index every greedy row reads: at their mean
+        share). 0 until a catch-up was timed.
+
+        Example, suffix (~8 us a token into a trie of depth 20): 32 rows just admitted, 124-token
+        prompts, 16 rounds left each: 32 x 124 x 8 us / 16 = 2 ms, 8 % of a 25 ms plain round at
+        32 rows. Unpriced, lookups ran whenever free drafting might pay, and the indexing (prompts,
+        and finished requests into the shared trie) took 2-3 % of runs at 32 rows in which
+        speculation then gained nothing (plain prompts, 64 x 32 tokens)."""
+        if self.token_s is None:
+            return 0.0
+        own = sum(self.unindexed(r) * share for r, share in zip(reqs, shares))
+        greedy = [share for r, share in zip(reqs, shares) if r.params.greedy]  # (who reads the shared index)
+        shared = self.shared_unindexed() * sum(greedy) / len(greedy) if greedy else 0.0
+        return self.token_s * (own + shared)
 
     def find(self, req: Request, limit: int) -> tuple[list[int], int]:
         raise NotImplementedError
@@ -153,6 +186,10 @@ class NgramDrafter(LookupDrafter):
         if n == 0:
             return [], 0
         return cut_at_stop(idx.continuation(req.token_ids, e, min(self.k, limit)), req.stop_ids), n
+
+    def unindexed(self, req: Request) -> int:
+        idx = self._index.get(req.index)
+        return len(req.token_ids) - (idx.upto if idx is not None else 0)
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         for r, e in zip(reqs, ends):  # index the prompt here, outside the decoding rounds

@@ -94,6 +94,7 @@ class SuffixDrafter(LookupDrafter):
                 self._shared, self._stale = SharedTrie(self.depth, self.max_tokens), False
             while self._finished:
                 self._shared.add(self._finished.popleft())
+            self._indexed(time.perf_counter() - start, self._waiting)
             self._waiting = 0
             self.catch_up_s += time.perf_counter() - start
         return self._shared
@@ -141,6 +142,13 @@ class SuffixDrafter(LookupDrafter):
         if found is not None:
             at.append((shared, found))
         return cut_at_stop(most_frequent_path(at, min(limit, m), self.min_prob), req.stop_ids), m
+
+    def unindexed(self, req: Request) -> int:
+        trie = self._tries.get(req.index)
+        return len(req.token_ids) - (trie.upto if trie is not None else 0)
+
+    def shared_unindexed(self) -> int:
+        return self._waiting
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         pass  # a row's own trie catches up in `find`, when a round first drafts for it

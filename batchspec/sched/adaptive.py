@@ -409,6 +409,20 @@ class AdaptivePolicy:
         return tokens if self.cost is None else self.cost.catch_up(rows, tokens)
 
     @staticmethod
+    def rounds_left(req) -> float:
+        """The rounds `req` has left: its remaining tokens at the tokens per round it has made so
+        far (at least 2 a round)."""
+        s = req.stats
+        per_round = max(2.0, req.num_generated / s.rounds if s.rounds else 0.0)
+        return max(1, req.remaining) / per_round
+
+    @staticmethod
+    def index_share(req) -> float:
+        """The share of a lookup's indexing of `req` one round is charged: the indexing serves the
+        lookups of every round `req` has left (`LookupDrafter.index_s`)."""
+        return min(1.0, 1.0 / AdaptivePolicy.rounds_left(req))
+
+    @staticmethod
     def catch_up_share(req) -> float:
         """The share of the draft model's catch-up on `req` one round is charged. The catch-up
         serves the rounds in which the model drafts for it from now on: the rounds it has left
@@ -422,9 +436,8 @@ class AdaptivePolicy:
         lookups serve then caught up over and over for one model round each; echo workload,
         batch 32: catch-up rounds took 58-90 ms predicted at 12-14)."""
         s = req.stats
-        per_round = max(2.0, req.num_generated / s.rounds if s.rounds else 0.0)
         model_share = (s.first_drafted - s.looked_up + 1) / (s.first_drafted + 1)
-        return min(1.0, per_round / (max(1, req.remaining) * model_share))
+        return min(1.0, 1.0 / (AdaptivePolicy.rounds_left(req) * model_share))
 
     @staticmethod
     def _fed(lengths: list[int], first_fed: list[float] | None) -> list[float]:
@@ -440,7 +453,7 @@ class AdaptivePolicy:
     # ------------------------------------------------------------------ decisions
     def plan(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
              first_fed: list[float] | None = None, key: tuple | None = None,
-             held: list[int] | None = None) -> list[int]:
+             held: list[int] | None = None, index_s: float = 0.0) -> list[int]:
         """How many tokens each row drafts this round (row i at most caps[i]). weights[i] (default
         1) is what a token of row i is worth: when nothing waits for a row, the batch lasts as long
         as its longest request, so the round passes weigh rows by the work they have left; a row
@@ -450,13 +463,15 @@ class AdaptivePolicy:
         measurements: see `observe`). key: the batch's requests, for `plain_now`. held[i] (default
         0): row i drafts at least that many tokens, whatever the plan (rows whose output must not
         depend on their batch: see `decode/round.py`); a round with held drafts is speculative
-        anyway, so the plan only chooses what the other rows add to it."""
+        anyway, so the plan only chooses what the other rows add to it. index_s: seconds a
+        lookup drafter would index before drafting (its share: `LookupDrafter.index_s`), charged
+        to a speculative round."""
         if self.cost is None:
             return list(caps)
         b = len(caps)
         if self.guard.plain_due(b) and not any(held or ()):
             return self.plain(b)
-        lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed, held)
+        lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed, held, index_s)
         if blocked:
             self.guard.kept_plain(b)
         self._memo = [key, 0, blocked] if key is not None and not any(lengths) else None
@@ -523,7 +538,8 @@ class AdaptivePolicy:
         return planning * (1.0 - 1.0 / max(1, self.keep_rounds(rows)))
 
     def _best_lengths(self, alphas: list[float], caps: list[int], weights: list[float] | None,
-                      first_fed: list[float] | None, held: list[int] | None = None) -> tuple[list[int], bool]:
+                      first_fed: list[float] | None, held: list[int] | None = None,
+                      index_s: float = 0.0) -> tuple[list[int], bool]:
         """`plan`'s decision, without recording it: the lengths, and whether they are all 0 only
         because of the guard's penalty (a speculative round's predicted time times the penalty:
         the same factor for every way of speculating, so the best of them stays the best)."""
@@ -533,7 +549,7 @@ class AdaptivePolicy:
         gains = [self._gains(self._rates(a, later, c), w, scale) for a, c, w in zip(alphas, caps, weights)]
         b = len(caps)
         # a speculative round is planned again next round; a plain plan stands a while
-        seconds = self.cost.round_seconds(b, self.packed, spec_s=self.replan_s(b))
+        seconds = self.cost.round_seconds(b, self.packed, spec_s=self.replan_s(b) + index_s)
         lengths, rate = best_budget(self._capped(gains, held), seconds, sum(weights), first_fed, held)
         if any(held or ()):  # no plain round to weigh it against
             return lengths, False
@@ -609,13 +625,17 @@ class AdaptivePolicy:
         return [g[:n] for g, n in zip(gains, lengths)]
 
     def may_speculate(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
-                      held: list[int] | None = None) -> bool:
-        """Whether `plan` could speculate if no row's drafting cost a draft step (an upper bound: a
-        hybrid drafter's lookups, which bound lengths and make rows free, cost time of their own,
-        so they are done only when they can change a plain plan)."""
+                      held: list[int] | None = None, index_s: float = 0.0,
+                      first_fed: list[float] | None = None) -> bool:
+        """Whether `plan` could speculate if drafting cost only first_fed[i] of a draft step per
+        row (default 0: free), the indexing `index_s` charged as in `plan`. A hybrid drafter's
+        lookups, which bound lengths and make rows free, cost time of their own, so they are done
+        only when they can change a plain plan: with first_fed the model's price of a row times
+        the chance its lookup finds nothing (`decode/round.py`), an expectation, not a bound."""
         if self.cost is None or any(held or ()):
             return True
-        return any(self._best_lengths(alphas, caps, weights, [0.0] * len(caps), held)[0])
+        first_fed = first_fed if first_fed is not None else [0.0] * len(caps)
+        return any(self._best_lengths(alphas, caps, weights, first_fed, held, index_s)[0])
 
     def speculates(self, rows: int) -> bool:
         """Whether a batch of `rows` fresh requests would draft at all (else the draft model's
