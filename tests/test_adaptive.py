@@ -113,18 +113,17 @@ def test_may_speculate_bounds_the_plan_with_free_drafting():
     assert policy.may_speculate([0.05] * 8, [3] * 8, held=[1] + [0] * 7)  # a held row drafts anyway
 
 
-def test_lookups_are_priced_by_what_they_are_likely_to_find_and_index():
-    """Before a hybrid's lookups, a row costs the model's price times the chance its lookup finds
-    nothing (`decode/round.py`): rows whose lookups keep finding nothing are not looked up where
+def test_lookups_are_weighed_by_what_they_are_likely_to_find_and_priced_by_what_they_index():
+    """Before a hybrid's lookups, each row's gains are weighed by the chance its lookup finds
+    something (`decode/round.py`): rows whose lookups keep finding nothing are not looked up where
     only free drafts would pay. What a lookup would index first is charged to a speculative round
     (`index_s`), in `may_speculate` and in `plan` alike."""
-    per_row = cost()
-    per_row.draft_s = {1: 0.002, 8: 0.016}  # a draft step costs 2 ms a row
-    policy = exact_policy(per_row, gamma_max=3, margin=1.0)
-    assert policy.plan([0.6] * 8, [3] * 8) == [0] * 8  # 8 x 1.6 tokens / 40 ms < 8 / 20 ms
-    assert policy.may_speculate([0.6] * 8, [3] * 8)  # free drafts would pay
-    assert policy.may_speculate([0.6] * 8, [3] * 8, first_fed=[0.1] * 8)  # lookups likely to find something
-    assert not policy.may_speculate([0.6] * 8, [3] * 8, first_fed=[0.9] * 8)  # ... or not
+    policy = exact_policy(cost(draft=0.5), gamma_max=3, margin=1.0)
+    assert policy.plan([0.6] * 8, [3] * 8) == [0] * 8  # draft steps cost too much...
+    assert policy.may_speculate([0.6] * 8, [3] * 8)  # ... free drafts would pay
+    assert policy.may_speculate([0.6] * 8, [3] * 8, odds=[0.9] * 8)  # lookups likely to find something
+    assert not policy.may_speculate([0.6] * 8, [3] * 8, odds=[0.1] * 8)  # ... or not
+    assert policy.may_speculate([0.6] * 8, [3] * 8, odds=[1.0] * 4 + [0.0] * 4)  # (rows weighed apart)
     cheap = exact_policy(cost(draft=0.0005), gamma_max=3, margin=1.0)
     assert any(cheap.plan([0.6] * 8, [3] * 8))
     assert cheap.may_speculate([0.6] * 8, [3] * 8, index_s=0.001)

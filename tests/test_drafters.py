@@ -564,23 +564,26 @@ def test_a_lookup_prices_what_it_would_index_first():
     assert ngram.index_s([second], [0.5]) == pytest.approx(rate * 30 * 0.5)
 
 
-@pytest.mark.parametrize("hits", [0.0, 1.0])
-def test_a_row_is_priced_before_its_lookup_by_how_often_it_finds_something(hits, monkeypatch):
-    """Before a hybrid's lookahead, `may_speculate` gets each row's draft-model price times the
-    chance its lookup finds nothing: the model's price for a row whose lookups never find
-    anything, nothing for one whose always do."""
+@pytest.mark.parametrize("hits", [0.0, 0.5])
+def test_a_rows_lookup_is_weighed_by_how_often_it_finds_something(hits, monkeypatch):
+    """Before a hybrid's lookahead, `may_speculate` weighs each row by the chance its lookup finds
+    something (`HybridDrafter.hit_rate`: the request's record); a row whose lookups never find
+    anything adds nothing, so with none likely to, the lookahead never runs."""
     pair, ids, refs = loopy()
     engine = SpecEngine(pair, EngineConfig(batch_size=3, gamma=4, drafter="hybrid:ngram", adaptive=True))
     monkeypatch.setattr(type(engine.drafter), "hit_rate", staticmethod(lambda req: hits))
-    seen, may = [], engine.policy.may_speculate
+    seen, may, lookahead = [], engine.policy.may_speculate, engine.drafter.lookahead
+    looked = []
 
-    def recording(*args, first_fed=None, **kwargs):
-        seen.append(list(first_fed))
-        return may(*args, first_fed=first_fed, **kwargs)
+    def recording(*args, odds=None, **kwargs):
+        seen.append(list(odds))
+        return may(*args, odds=odds, **kwargs)
 
     engine.policy.may_speculate = recording
+    engine.drafter.lookahead = lambda reqs, caps: looked.append(1) or lookahead(reqs, caps)
     assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))] == refs
-    assert seen and all((f >= 1.0) if hits == 0.0 else (f == 0.0) for fed in seen for f in fed)
+    assert seen and all(o == hits for odds in seen for o in odds)
+    assert bool(looked) == (hits > 0)
 
 
 @pytest.mark.parametrize("model", [True, False])

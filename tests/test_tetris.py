@@ -123,3 +123,15 @@ def test_best_budget_docstring_example_with_held_drafts():
                              held=[0, 3])
     assert seen[:2] == [(3, [1, 1, 1]), (4, [2, 1, 1])]  # the walk starts from row 1's three drafts
     assert lengths[1] == 3
+
+
+def test_a_draft_worth_nothing_is_never_taken():
+    """A round that verifies drafts can be priced below a plain one (speculative and plain rounds
+    are scaled apart: `sched/adaptive.py`); drafts that add no expected token are still not taken
+    for it (a hybrid's rows whose lookups never find anything are weighed at 0)."""
+    def seconds(total, fed):
+        return 0.010 if total else 0.020  # any speculative round "cheaper" than a plain one
+
+    assert best_budget([[0.0, 0.0], [0.0, 0.0]], seconds, 2.0, [0.0, 0.0]) == ([0, 0], 100.0)
+    lengths, _ = best_budget([[0.5, 0.0], [0.0, 0.0]], seconds, 2.0, [0.0, 0.0])
+    assert lengths == [1, 0]

@@ -80,13 +80,12 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         index_s = 0.0
         if hasattr(engine.drafter, "index_s"):
             index_s = engine.drafter.index_s(batch, [policy.index_share(r) for r in batch])
-        # a hybrid drafter's lookups, done first when they may pay: what a row's lookup proposes
-        # bounds its length, and a row the lookup drafts costs no draft-model step (first_fed 0);
-        # before looking, a row costs the model's price times the chance its lookup finds nothing
+        # a hybrid drafter's lookups, done first when they may pay (each row's gains weighed by the
+        # chance its lookup finds something): what a row's lookup proposes bounds its length, and a
+        # row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
         if hasattr(engine.drafter, "lookahead"):
-            model = first_fed or [1.0] * len(batch)
-            expected = [f * (1 - engine.drafter.hit_rate(r)) for f, r in zip(model, batch)]
-            if policy.may_speculate(alphas, lengths, weights, held, index_s=index_s, first_fed=expected):
+            odds = [engine.drafter.hit_rate(r) for r in batch]
+            if policy.may_speculate(alphas, lengths, weights, held, index_s=index_s, odds=odds):
                 with timer.stage("draft"):
                     looked = engine.drafter.lookahead(batch, lengths)
                 lengths = [n if f is None else min(n, f) for n, f in zip(lengths, looked)]

@@ -92,7 +92,10 @@ def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[f
     order = ranking([row[n:] for row, n in zip(gains, lengths)], scale)
     best_total, best_rate = 0, tokens / seconds(start, fed)
     for total, (_, i, j) in enumerate(order, start=1):
-        tokens += take(i, j + lengths[i])
+        gain = take(i, j + lengths[i])
+        if gain <= 0:  # (all that follows is worth nothing too: a draft is never taken for its price
+            break  # alone, which can come out below a plain round's where the two are scaled apart)
+        tokens += gain
         rate = tokens / seconds(start + total, fed)
         if rate > best_rate:
             best_total, best_rate = total, rate
