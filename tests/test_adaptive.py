@@ -113,17 +113,9 @@ def test_may_speculate_bounds_the_plan_with_free_drafting():
     assert policy.may_speculate([0.05] * 8, [3] * 8, held=[1] + [0] * 7)  # a held row drafts anyway
 
 
-def test_lookups_are_weighed_by_what_they_are_likely_to_find_and_priced_by_what_they_index():
-    """Before a hybrid's lookups, each row's gains are weighed by the chance its lookup finds
-    something (`decode/round.py`): rows whose lookups keep finding nothing are not looked up where
-    only free drafts would pay. What a lookup would index first is charged to a speculative round
-    (`index_s`), in `may_speculate` and in `plan` alike."""
-    policy = exact_policy(cost(draft=0.5), gamma_max=3, margin=1.0)
-    assert policy.plan([0.6] * 8, [3] * 8) == [0] * 8  # draft steps cost too much...
-    assert policy.may_speculate([0.6] * 8, [3] * 8)  # ... free drafts would pay
-    assert policy.may_speculate([0.6] * 8, [3] * 8, odds=[0.9] * 8)  # lookups likely to find something
-    assert not policy.may_speculate([0.6] * 8, [3] * 8, odds=[0.1] * 8)  # ... or not
-    assert policy.may_speculate([0.6] * 8, [3] * 8, odds=[1.0] * 4 + [0.0] * 4)  # (rows weighed apart)
+def test_what_a_lookup_would_index_first_is_charged_to_a_speculative_round():
+    """`index_s` (what a lookup drafter would index before drafting, at each row's share) is
+    charged to a speculative round, in `may_speculate` (before a hybrid's lookups) and in `plan`."""
     cheap = exact_policy(cost(draft=0.0005), gamma_max=3, margin=1.0)
     assert any(cheap.plan([0.6] * 8, [3] * 8))
     assert cheap.may_speculate([0.6] * 8, [3] * 8, index_s=0.001)

@@ -564,26 +564,19 @@ def test_a_lookup_prices_what_it_would_index_first():
     assert ngram.index_s([second], [0.5]) == pytest.approx(rate * 30 * 0.5)
 
 
-@pytest.mark.parametrize("hits", [0.0, 0.5])
-def test_a_rows_lookup_is_weighed_by_how_often_it_finds_something(hits, monkeypatch):
-    """Before a hybrid's lookahead, `may_speculate` weighs each row by the chance its lookup finds
-    something (`HybridDrafter.hit_rate`: the request's record); a row whose lookups never find
-    anything adds nothing, so with none likely to, the lookahead never runs."""
+@pytest.mark.parametrize("drafter", ["hybrid:ngram", "ngram"])
+def test_indexing_that_costs_more_than_speculating_saves_keeps_rounds_plain(drafter, monkeypatch):
+    """`run_round` charges what the lookup would index first (`index_s`) before a hybrid's lookups
+    and to the plan: priced at 10 s, no lookup runs and every round is plain, output unchanged."""
     pair, ids, refs = loopy()
-    engine = SpecEngine(pair, EngineConfig(batch_size=3, gamma=4, drafter="hybrid:ngram", adaptive=True))
-    monkeypatch.setattr(type(engine.drafter), "hit_rate", staticmethod(lambda req: hits))
-    seen, may, lookahead = [], engine.policy.may_speculate, engine.drafter.lookahead
-    looked = []
-
-    def recording(*args, odds=None, **kwargs):
-        seen.append(list(odds))
-        return may(*args, odds=odds, **kwargs)
-
-    engine.policy.may_speculate = recording
-    engine.drafter.lookahead = lambda reqs, caps: looked.append(1) or lookahead(reqs, caps)
+    engine = SpecEngine(pair, EngineConfig(batch_size=3, gamma=4, drafter=drafter, adaptive=True))
+    monkeypatch.setattr(type(engine.drafter), "index_s", lambda self, reqs, shares: 10.0)
+    found = []
+    lookup = engine.drafter.lookup if drafter.startswith("hybrid") else engine.drafter
+    find = lookup.find
+    lookup.find = lambda req, limit: found.append(1) or find(req, limit)
     assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))] == refs
-    assert seen and all(o == hits for odds in seen for o in odds)
-    assert bool(looked) == (hits > 0)
+    assert not found and set(engine.last_run.gamma_hist) == {0}
 
 
 @pytest.mark.parametrize("model", [True, False])

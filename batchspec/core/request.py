@@ -27,8 +27,6 @@ class RequestStats:
     first_drafted: int = 0  # rounds in which it drafted at least one token
     first_accepted: int = 0  # ... and the first draft was accepted
     looked_up: int = 0  # rounds in which a hybrid drafter's lookup, not its draft model, drafted for it
-    lookups: int = 0  # rounds a hybrid drafter looked it up before the plan (`lookahead`) ...
-    lookup_hits: int = 0  # ... and its lookup proposed something
 
     @property
     def acceptance_rate(self) -> float:

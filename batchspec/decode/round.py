@@ -80,18 +80,15 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         index_s = 0.0
         if hasattr(engine.drafter, "index_s"):
             index_s = engine.drafter.index_s(batch, [policy.index_share(r) for r in batch])
-        # a hybrid drafter's lookups, done first when they may pay (each row's gains weighed by the
-        # chance its lookup finds something): what a row's lookup proposes bounds its length, and a
-        # row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
-        if hasattr(engine.drafter, "lookahead"):
-            odds = [engine.drafter.hit_rate(r) for r in batch]
-            if policy.may_speculate(alphas, lengths, weights, held, index_s=index_s, odds=odds):
-                with timer.stage("draft"):
-                    looked = engine.drafter.lookahead(batch, lengths)
-                lengths = [n if f is None else min(n, f) for n, f in zip(lengths, looked)]
-                held = [min(h, n) for h, n in zip(held, lengths)] if held is not None else None
-                if first_fed is not None:
-                    first_fed = [f if by is None else 0.0 for f, by in zip(first_fed, looked)]
+        # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
+        # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
+        if hasattr(engine.drafter, "lookahead") and policy.may_speculate(alphas, lengths, weights, held, index_s):
+            with timer.stage("draft"):
+                looked = engine.drafter.lookahead(batch, lengths)
+            lengths = [n if f is None else min(n, f) for n, f in zip(lengths, looked)]
+            held = [min(h, n) for h, n in zip(held, lengths)] if held is not None else None
+            if first_fed is not None:
+                first_fed = [f if by is None else 0.0 for f, by in zip(first_fed, looked)]
         # a plain plan is kept for the same requests (`plain_now`), but not one made because no
         # lookup found anything: that changes from round to round
         keep = looked is None or any(lengths)

@@ -141,9 +141,6 @@ class HybridDrafter:
         planned length."""
         start = self._clock()
         found = [self.lookup.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)]
-        for r, f, c in zip(reqs, found, caps):
-            r.stats.lookups += c > 0
-            r.stats.lookup_hits += bool(f)
         model = self.gate.use()
         self._round = None
         if not model and any(c > 0 and not f and r.params.greedy for f, c, r in zip(found, caps, reqs)):
@@ -225,11 +222,6 @@ class HybridDrafter:
         self._round = None
         if drafted is not None:  # draft + verify of this round; a catch-up serves later rounds
             self.gate.record(len(reqs) + sum(accepted), self._clock() - start - model_catch_up_s, drafted)
-
-    @staticmethod
-    def hit_rate(req: Request) -> float:
-        """How likely the lookup is to propose something for `req`: its record, from 1/2 (Laplace)."""
-        return (req.stats.lookup_hits + 1) / (req.stats.lookups + 2)
 
     def index_s(self, reqs: list[Request], shares: list[float]) -> float:
         """The lookup's indexing a lookahead of `reqs` would start with (see `LookupDrafter.index_s`)."""

@@ -539,15 +539,14 @@ class AdaptivePolicy:
 
     def _best_lengths(self, alphas: list[float], caps: list[int], weights: list[float] | None,
                       first_fed: list[float] | None, held: list[int] | None = None,
-                      index_s: float = 0.0, odds: list[float] | None = None) -> tuple[list[int], bool]:
+                      index_s: float = 0.0) -> tuple[list[int], bool]:
         """`plan`'s decision, without recording it: the lengths, and whether they are all 0 only
         because of the guard's penalty (a speculative round's predicted time times the penalty:
         the same factor for every way of speculating, so the best of them stays the best)."""
         weights = weights or [1.0] * len(caps)
         later = self.later_rates()
         scale = self.gain_scale()
-        worth = weights if odds is None else [w * o for w, o in zip(weights, odds)]  # (see `may_speculate`)
-        gains = [self._gains(self._rates(a, later, c), w, scale) for a, c, w in zip(alphas, caps, worth)]
+        gains = [self._gains(self._rates(a, later, c), w, scale) for a, c, w in zip(alphas, caps, weights)]
         b = len(caps)
         # a speculative round is planned again next round; a plain plan stands a while
         seconds = self.cost.round_seconds(b, self.packed, spec_s=self.replan_s(b) + index_s)
@@ -626,16 +625,14 @@ class AdaptivePolicy:
         return [g[:n] for g, n in zip(gains, lengths)]
 
     def may_speculate(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
-                      held: list[int] | None = None, index_s: float = 0.0, odds: list[float] | None = None) -> bool:
-        """Whether `plan` could speculate if no row's drafting cost a draft step, the indexing
-        `index_s` charged as in `plan`. A hybrid drafter's lookups, which bound lengths and make
-        rows free, cost time of their own, so they are done only when they can change a plain
-        plan. odds[i] (default 1): the chance row i's lookup finds something, by which its gains
-        are weighed (an expectation: a row whose lookups keep finding nothing is not worth looking
-        up where only free drafts pay, e.g. plain prompts at 32 rows)."""
+                      held: list[int] | None = None, index_s: float = 0.0) -> bool:
+        """Whether `plan` could speculate if no row's drafting cost a draft step (an upper bound: a
+        hybrid drafter's lookups, which bound lengths and make rows free, cost time of their own,
+        so they are done only when they can change a plain plan), the indexing `index_s` charged
+        as in `plan`."""
         if self.cost is None or any(held or ()):
             return True
-        return any(self._best_lengths(alphas, caps, weights, [0.0] * len(caps), held, index_s, odds)[0])
+        return any(self._best_lengths(alphas, caps, weights, [0.0] * len(caps), held, index_s)[0])
 
     def speculates(self, rows: int) -> bool:
         """Whether a batch of `rows` fresh requests would draft at all (else the draft model's
