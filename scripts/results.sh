@@ -114,3 +114,9 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters 
   --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
   --json docs/results/wave11_adaptive_echo.json
 SERVERS="ar spec hf" REPEAT=2 ./scripts/serve_bench.sh docs/results/serve_wave11
+# Wave 12 (the AMD EPYC): the kernel timed at every token count up to 12, a lookup's indexing priced.
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/wave12_adaptive.json
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters ngram,suffix,hybrid \
+  --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
+  --json docs/results/wave12_adaptive_echo.json

@@ -124,6 +124,7 @@ def test_what_a_lookup_would_index_first_is_charged_to_a_speculative_round():
 
 
 def test_index_share_follows_the_rounds_left():
+    """A row is charged its lookup's indexing over the rounds it has left (at least 2 tokens a round)."""
     fresh = SimpleNamespace(stats=SimpleNamespace(rounds=0), num_generated=0, remaining=32)
     assert AdaptivePolicy.index_share(fresh) == pytest.approx(1 / 16)  # 2 tokens a round assumed
     going = SimpleNamespace(stats=SimpleNamespace(rounds=10), num_generated=40, remaining=40)

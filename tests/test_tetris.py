@@ -128,7 +128,7 @@ def test_best_budget_docstring_example_with_held_drafts():
 def test_a_draft_worth_nothing_is_never_taken():
     """A round that verifies drafts can be priced below a plain one (speculative and plain rounds
     are scaled apart: `sched/adaptive.py`); drafts that add no expected token are still not taken
-    for it (a hybrid's rows whose lookups never find anything are weighed at 0)."""
+    for what the pass is priced at."""
     def seconds(total, fed):
         return 0.010 if total else 0.020  # any speculative round "cheaper" than a plain one
 

@@ -113,8 +113,9 @@ class LookupDrafter:
         start = time.perf_counter()
         extend()
         if new > normal:
-            self._indexed(time.perf_counter() - start, new)
-            self.catch_up_s += (time.perf_counter() - start) * (new - normal) / new
+            spent = time.perf_counter() - start
+            self._indexed(spent, new)
+            self.catch_up_s += spent * (new - normal) / new
 
     def _indexed(self, seconds: float, tokens: int) -> None:
         """`tokens` indexed at once took `seconds`: the per-token cost `index_s` prices, an
@@ -139,9 +140,9 @@ class LookupDrafter:
 
         Example, suffix (~8 us a token into a trie of depth 20): 32 rows just admitted, 124-token
         prompts, 16 rounds left each: 32 x 124 x 8 us / 16 = 2 ms, 8 % of a 25 ms plain round at
-        32 rows. Unpriced, lookups ran whenever free drafting might pay, and the indexing (prompts,
-        and finished requests into the shared trie) took 2-3 % of runs at 32 rows in which
-        speculation then gained nothing (plain prompts, 64 x 32 tokens)."""
+        32 rows. (Measured unpriced: lookups ran whenever free drafting might pay, and their
+        indexing, prompts and finished requests into the shared trie, took 2-3 % of runs at 32
+        rows in which speculation then gained nothing: plain prompts, 64 x 32 tokens.)"""
         if self.token_s is None:
             return 0.0
         own = sum(self.unindexed(r) * share for r, share in zip(reqs, shares))
