@@ -68,6 +68,16 @@ for w in plain echo twice; do
     --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma "$g" --workload "$w" \
     --json "docs/results/wave6_adaptive_$w.json"
 done
+# From wave 7 on, each wave measures issue 19's table and issue 20's echo cells with the same commands:
+adaptive_table() {  # NAME -> docs/results/NAME_adaptive.json
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+    --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json "docs/results/$1_adaptive.json"
+}
+echo_cells() {  # NAME -> docs/results/NAME_adaptive_echo.json
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters ngram,suffix,hybrid \
+    --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
+    --json "docs/results/$1_adaptive_echo.json"
+}
 # Wave 7: the hybrid's gate weighs the model against the rounds it replaces; speed-ups paired per repeat.
 for w in plain twice; do
   g=8; [ "$w" = plain ] && g=4
@@ -75,31 +85,21 @@ for w in plain twice; do
     --gamma "$g" --workload "$w" --num-prompts 24 --max-new-tokens 64 --repeat 3 --adaptive off \
     --json "docs/results/wave7_hybrid_$w.json"
 done
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/wave7_adaptive.json
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters ngram,suffix,hybrid \
-  --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
-  --json docs/results/wave7_adaptive_echo.json
+adaptive_table wave7
+echo_cells wave7
 # Wave 8: a lookup's catch-up left out of what the policy measures, ragged passes priced by their
 # longest row; adaptive becomes the default (commands above that do not name --adaptive measured
 # fixed γ: add --adaptive off to reproduce them).
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/wave8_adaptive.json
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters ngram,suffix,hybrid \
-  --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
-  --json docs/results/wave8_adaptive_echo.json
+adaptive_table wave8
+echo_cells wave8
 batchspec bench --methods autoregressive,eqspec --batch-sizes 1 --gamma 4 --drafters hybrid --adaptive off,on \
   --num-prompts 64 --max-new-tokens 32 --repeat 5 --json docs/results/wave8_adaptive_bs1.json
 # Wave 9 (an Intel Xeon): the lean forward's kernel measured per CPU; plain plans kept only as long
 # as replanning costs; the guard's first measurements against a prior; rows cut short between draft steps.
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/wave9_adaptive.json
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters ngram,suffix,hybrid \
-  --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
-  --json docs/results/wave9_adaptive_echo.json
+adaptive_table wave9
+echo_cells wave9
 # Wave 10 (the Xeon): a draft model's catch-up shared by the rounds it will draft.
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/wave10_adaptive.json
+adaptive_table wave10
 for w in echo plain; do
   g=$([ "$w" = echo ] && echo 8 || echo 4)
   batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
@@ -108,15 +108,9 @@ for w in echo plain; do
 done
 # Wave 11 (the AMD EPYC): kernels timed over every matrix, speculative rounds charged their replanning,
 # serve's rounds on the main thread.
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/wave11_adaptive.json
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters ngram,suffix,hybrid \
-  --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
-  --json docs/results/wave11_adaptive_echo.json
+adaptive_table wave11
+echo_cells wave11
 SERVERS="ar spec hf" REPEAT=2 ./scripts/serve_bench.sh docs/results/serve_wave11
 # Wave 12 (the AMD EPYC): the kernel timed at every token count up to 12, a lookup's indexing priced.
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/wave12_adaptive.json
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters ngram,suffix,hybrid \
-  --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
-  --json docs/results/wave12_adaptive_echo.json
+adaptive_table wave12
+echo_cells wave12
