@@ -22,29 +22,57 @@ def weights(*shapes):
     return [torch.randn(*shape) for shape in shapes]
 
 
+def kernel(seconds):
+    """A fake kernel taking `seconds(count)` over each matrix (real kernels over these small matrices
+    take microseconds)."""
+    def run(x, w):
+        wait = seconds(x.shape[0])
+        if wait:
+            time.sleep(wait)
+        return x.new_empty(x.shape[0], w.shape[0])
+    return run
+
+
 def test_the_faster_kernel_is_chosen_per_token_count(fresh):
     """A W @ x^T that wins only at 1 and 2 tokens is taken there and nowhere else."""
-    def mm(x, w):
-        if x.shape[0] > 2:
-            time.sleep(0.002)  # F.linear over these small matrices takes microseconds
-        return x.new_empty(x.shape[0], w.shape[0])
-
-    assert kernels.skinny_counts(weights((512, 512), (256, 512)), mm, repeats=2) == {1, 2}
-    assert kernels.skinny_counts(weights((512, 512), (256, 512)), lambda x, w: time.sleep(0.002), repeats=2) == {1, 2}
+    mm = kernel(lambda n: 0 if n <= 2 else 0.006)
+    linear = kernel(lambda n: 0.001 * (1 + n / 8))  # more tokens take longer: no count is fed more
+    plan = kernels.kernel_plan(weights((512, 512), (256, 512)), mm, linear, repeats=2)
+    assert plan.mm == {1, 2} and plan.fed[2:] == tuple(range(2, 33))
+    assert kernels.kernel_plan(weights((512, 512), (256, 512)), linear, mm, repeats=2) == plan
     # (the second call measured nothing: the same shapes, threads and torch were decided above)
 
 
-def test_every_count_a_verify_pass_feeds_is_timed(fresh):
-    """Up to 12 tokens each count is measured (a pass at 4 rows by 2 tokens feeds 8): a W @ x^T that
-    loses at 4 and 8 but wins at 5 to 7 is taken at 5 to 7. Above 12 a count follows the next
-    measured one (13 to 15 follow 16)."""
-    def mm(x, w):
-        if x.shape[0] in (4, 8, 9, 10, 11, 12, 24, 32):
-            time.sleep(0.002)
-        return x.new_empty(x.shape[0], w.shape[0])
+def test_a_count_both_kernels_run_slowly_is_fed_as_a_larger_one(fresh):
+    """Both kernels slow up to 16 tokens, W @ x^T fast at 16 (as the EPYC at 12 against 16): every
+    count up to 16 is fed as 16 rows of W @ x^T, the counts above as themselves under F.linear."""
+    mm = kernel(lambda n: 0 if n == 16 else 0.006)
+    linear = kernel(lambda n: 0.001 * (1 + n / 8))
+    plan = kernels.kernel_plan(weights((512, 512)), mm, linear, repeats=2)
+    assert plan.fed == (0, *[16] * 16, *range(17, 33))
+    assert plan.mm == set(range(1, 17))
 
-    chosen = kernels.skinny_counts(weights((512, 512)), mm, repeats=2)
-    assert chosen == {1, 2, 3, 5, 6, 7, 13, 14, 15, 16}
+
+def test_rows_are_added_only_where_they_pay_for_themselves():
+    """`plan_from_times`: 12 is fed as 16 when 16 costs less than 12 by more than adding the rows and
+    the margin (PAD_MARGIN)."""
+    def times(at_16):
+        seconds = {(n, name): 7.0 for n in kernels.COUNTS for name in ("linear", "mm")}
+        seconds[(16, "mm")] = at_16
+        return seconds
+    assert kernels.plan_from_times(times(5.0), pad_s=0.5).fed[12] == 16
+    assert kernels.plan_from_times(times(6.8), pad_s=0.5).fed[12] == 12
+    assert kernels.plan_from_times(times(6.8), pad_s=0.0).fed[12] == 12  # 3 % faster: noise, not a kernel
+    assert kernels.plan_from_times(times(6.8), pad_s=0.5).fed[16] == 16
+
+
+def test_every_count_a_verify_pass_feeds_is_timed(fresh):
+    """Decoding feeds every count from 1 to 32 (4 rows verifying 2 draft tokens: 12): each is timed
+    under both kernels, none is inferred from its neighbours."""
+    seen = {"mm": set(), "linear": set()}
+    kernels.kernel_plan(weights((64, 32)), lambda x, w: seen["mm"].add(x.shape[0]),
+                        lambda x, w: seen["linear"].add(x.shape[0]), repeats=1)
+    assert seen["mm"] == seen["linear"] == set(range(1, 33))
 
 
 def test_every_matrix_is_timed_not_one_per_shape(fresh):
@@ -56,7 +84,7 @@ def test_every_matrix_is_timed_not_one_per_shape(fresh):
         seen.add(id(w))
 
     matrices = weights((64, 32), (64, 32), (32, 64), (64, 32), (32, 64))
-    kernels.skinny_counts(matrices, mm, repeats=1)
+    kernels.kernel_plan(matrices, mm, repeats=1)
     assert seen == {id(w) for w in matrices}
 
 
@@ -67,16 +95,18 @@ def test_a_choice_is_kept_on_disk_and_read_back(fresh, monkeypatch):
         calls.append(1)
 
     shapes = ((256, 256), (128, 256))
-    assert kernels.skinny_counts(weights(*shapes), instant, repeats=2) == frozenset(range(1, 33))
+    slow = kernel(lambda n: 0.001)
+    plan = kernels.kernel_plan(weights(*shapes), instant, slow, repeats=2)
+    assert plan.mm == set(range(1, 33))
     measured = len(calls)
     files = list((fresh / "kernels").iterdir())
     assert measured > 0 and len(files) == 1
     monkeypatch.setattr(kernels, "_CHOSEN", {})  # a new process on the same machine
-    assert kernels.skinny_counts(weights(*shapes), instant, repeats=2) == frozenset(range(1, 33))
+    assert kernels.kernel_plan(weights(*shapes), instant, slow, repeats=2) == plan
     assert len(calls) == measured  # read back, not measured
     files[0].write_text("{not json")  # unreadable: measured again
     monkeypatch.setattr(kernels, "_CHOSEN", {})
-    kernels.skinny_counts(weights(*shapes), instant, repeats=2)
+    kernels.kernel_plan(weights(*shapes), instant, slow, repeats=2)
     assert len(calls) == 2 * measured
 
 
@@ -84,14 +114,21 @@ def test_only_float32_on_a_cpu_is_measured(fresh):
     def never(x, w):
         raise AssertionError("not to be measured")
 
-    assert kernels.skinny_counts([torch.randn(8, 8, dtype=torch.float64)], never) == frozenset()
-    assert kernels.skinny_counts([torch.randn(8, 8, dtype=torch.bfloat16)], never) == frozenset()
-    assert kernels.skinny_counts([], never) == frozenset()
+    linear_only = kernels.Plan.everywhere(mm=False)
+    assert kernels.kernel_plan([torch.randn(8, 8, dtype=torch.float64)], never, never) == linear_only
+    assert kernels.kernel_plan([torch.randn(8, 8, dtype=torch.bfloat16)], never, never) == linear_only
+    assert kernels.kernel_plan([], never, never) == linear_only
 
 
-@pytest.mark.parametrize("rows", [1, 3, 40])
-def test_matmul_takes_either_kernel_with_the_same_numbers(rows):
+@pytest.mark.parametrize("rows", [1, 3, 12, 40])
+def test_matmul_takes_either_kernel_over_any_rows_with_the_same_numbers(rows):
+    """Either kernel, over x's rows or with zero rows added (up to 32), gives F.linear's numbers."""
     x, w, b = torch.randn(rows, 24), torch.randn(40, 24), torch.randn(40)
     linear = torch.nn.functional.linear(x, w, b)
-    for skinny in (frozenset(), frozenset({rows}), frozenset(range(1, 33))):
-        torch.testing.assert_close(matmul(x, w, b, skinny), linear)
+    counts = range(kernels.COUNTS[-1] + 1)
+    padded = tuple(min(n + 5, 32) if n else 0 for n in counts)
+    for plan in (kernels.Plan.everywhere(False), kernels.Plan.everywhere(True), kernels.Plan(padded, frozenset()),
+                 kernels.Plan(padded, frozenset(counts))):
+        out = matmul(x, w, b, plan)
+        assert out.shape == linear.shape and out.is_contiguous()
+        torch.testing.assert_close(out, linear)

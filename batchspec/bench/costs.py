@@ -89,7 +89,8 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
            context, forward)
     path = None
     if key not in _PROFILES:
-        kernels = [sorted(getattr(make_forward(m, forward), "skinny", ())) for m in (target, draft) if m is not None]
+        kernels = [plan.key() if (plan := getattr(make_forward(m, forward), "plan", None)) else None
+                   for m in (target, draft) if m is not None]
         path = cache.profile_path(target, draft, {"rows": rows, "cols": cols, "context": context,
                                                        "forward": forward, "repeats": repeats,
                                                        "catch_up": CATCH_UP, "kernels": kernels})

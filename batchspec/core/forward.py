@@ -32,7 +32,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .kernels import skinny_counts
+from .kernels import Plan, kernel_plan, w_xt
 
 LEAN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3")  # inverse frequencies that do not depend on length
@@ -91,37 +91,43 @@ def lean_unsupported(model) -> str | None:
     return None
 
 
-SKINNY_TOKENS = 32  # at most this many tokens: `matmul` may compute W @ x^T (see there)
 FOLD_TOKENS = 32  # at most this many query tokens per row: `LeanForward._attend` folds GQA heads
-ALL_SKINNY = frozenset(range(1, SKINNY_TOKENS + 1))
+MM_EVERYWHERE = Plan.everywhere(mm=True)  # `matmul`'s default: W @ x^T up to kernels.COUNTS[-1] tokens
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           skinny: frozenset[int] = ALL_SKINNY) -> torch.Tensor:
-    """x @ weight^T + bias, as `F.linear`, or as W @ x^T when x has a token count in `skinny`.
+           plan: Plan = MM_EVERYWHERE) -> torch.Tensor:
+    """x @ weight^T + bias, as `F.linear` or as W @ x^T, over x's rows or more, as `plan` says for
+    x's token count.
 
     Decoding feeds a linear 1 to ~32 tokens. On some CPUs in float32 `F.linear` then runs a
     matrix-vector product (one token) or a GEMM with a transposed, skinny operand far below what
     the memory bus allows, and W [out, in] @ x^T [in, M], which reads the weight in its stored
-    order, runs 2-3x faster; on others it is the other way round (`core/kernels.py` has both
-    machines' numbers and measures which holds where it runs: a lean forward passes the counts it
-    measured). One token is fed as two (the same token twice, one column kept), which takes the
-    GEMM path instead of the matrix-vector one. bfloat16/float16 and other devices keep `F.linear`.
+    order, runs 2-3x faster; on others it is the other way round; and either may run a count it
+    is not blocked for slower than a larger one (`core/kernels.py` has the numbers and measures
+    which holds where it runs: a lean forward passes the plan it measured). Zero rows added to x
+    are computed and dropped. bfloat16/float16 and other devices keep `F.linear`.
 
-    Example: x [3, 384], weight [640, 384] -> mm(weight, x^T) [640, 3] -> its transpose [3, 640]."""
+    Example: x [3, 384], weight [640, 384], plan.fed[3] = 4, 3 in plan.mm -> x with a zero row
+    [4, 384] -> mm(weight, x^T) [640, 4] -> its first 3 columns, transposed [3, 640]."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.device.type != "cpu" or x.dtype != torch.float32 or rows not in skinny:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not 0 < rows < len(plan.fed):
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
-    cols = torch.cat((flat, flat)) if rows == 1 else flat  # a real copy: a stride-0 operand is slow again
-    out = torch.mm(weight, cols.t())[:, :rows].t().contiguous()  # [out, rows] -> [rows, out]
-    if bias is not None:
-        out += bias
+    fed = plan.fed[rows]
+    if fed > rows:  # a real copy: a stride-0 operand is slow again
+        flat = torch.cat((flat, flat.new_zeros(fed - rows, flat.shape[1])))
+    if rows in plan.mm:
+        out = w_xt(flat, weight)[:, :rows].t().contiguous()  # [out, fed] -> [rows, out]
+        if bias is not None:
+            out += bias
+    else:
+        out = F.linear(flat, weight, bias)[:rows]  # the first rows: contiguous
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _linear(x: torch.Tensor, layer: torch.nn.Linear, skinny: frozenset[int]) -> torch.Tensor:
-    return matmul(x, layer.weight, layer.bias, skinny)
+def _linear(x: torch.Tensor, layer: torch.nn.Linear, plan: Plan) -> torch.Tensor:
+    return matmul(x, layer.weight, layer.bias, plan)
 
 
 class _Fused:
@@ -138,7 +144,7 @@ class _Fused:
                 self.bias = torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
                                        for lin in linears])
             self.sizes = [lin.out_features for lin in linears]
-            self.skinny = ALL_SKINNY  # set by the lean forward (`core/kernels.py`)
+            self.plan = MM_EVERYWHERE  # set by the lean forward (`core/kernels.py`)
             offset = 0
             for lin, size in zip(linears, self.sizes):
                 lin.weight = torch.nn.Parameter(self.weight[offset:offset + size], lin.weight.requires_grad)
@@ -151,7 +157,7 @@ class _Fused:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """All outputs side by side: [..., sum of out_features]."""
-        return matmul(x, self.weight, self.bias, self.skinny)
+        return matmul(x, self.weight, self.bias, self.plan)
 
 
 class _RMSNorm:
@@ -204,9 +210,9 @@ class LeanForward:
         self.cos = self.sin = None  # [P, head_dim] tables over positions 0..P-1, grown on demand
         fused = [f for layer in self.layers for f in (layer[1], layer[6])]
         matrices = [m.weight for layer in self.layers for m in (layer[1], layer[2], layer[6], layer[7])]  # (in order)
-        self.skinny = skinny_counts(matrices + [self.head.weight], matmul)  # which kernel, measured per CPU
+        self.plan = kernel_plan(matrices + [self.head.weight])  # which kernel over how many rows, per CPU
         for f in fused:
-            f.skinny = self.skinny
+            f.plan = self.plan
         watch = [entry for f in fused for entry in f.watch]
         self._params, self._ptrs = [params for params, _ in watch], [ptr for _, ptr in watch]
 
@@ -258,14 +264,14 @@ class LeanForward:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, n, head_dim]
             keys, values = kv.write(index, k, v)  # [B, kv_heads, T, head_dim]
             a = self._attend(q, keys, values, visible, folded)
-            x = x + _linear(a.transpose(1, 2).reshape(batch, n, -1), o_proj, self.skinny)
+            x = x + _linear(a.transpose(1, 2).reshape(batch, n, -1), o_proj, self.plan)
             gate, up = gate_up(ln2(x)).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, down, self.skinny)
+            x = x + _linear(F.silu(gate) * up, down, self.plan)
         if select is False:
             return None
         if select is not None:
             x = x[torch.arange(batch, device=x.device), select][:, None]  # [B, 1, hidden]
-        return _select(_linear(self.norm(x), self.head, self.skinny), None if select is None else 0)
+        return _select(_linear(self.norm(x), self.head, self.plan), None if select is None else 0)
 
     def _fold_mask(self, visible: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """The mask of `_attend`'s folded queries, built once per forward: [B, 1, n, T] ->
@@ -328,17 +334,17 @@ class LeanForward:
             q_pad[packed] = q
             a = self._attend(q_pad.view(batch, n, q_heads, -1).transpose(1, 2), keys, values, visible,
                              folded)  # [B, heads, n, D]
-            x = x + _linear(a.transpose(1, 2).reshape(batch * n, -1)[packed], o_proj, self.skinny)
+            x = x + _linear(a.transpose(1, 2).reshape(batch * n, -1)[packed], o_proj, self.plan)
             gate, up = gate_up(ln2(x)).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, down, self.skinny)
+            x = x + _linear(F.silu(gate) * up, down, self.plan)
         if select is False:
             return None
         if select is not None:  # row i's column select[i] -> its place among the real tokens
             where = torch.full((batch * n,), -1, dtype=torch.long, device=x.device)
             where[packed] = torch.arange(packed.numel(), device=x.device)
             pick = where.view(batch, n)[torch.arange(batch, device=x.device), select].clamp(min=0)
-            return _linear(self.norm(x[pick]), self.head, self.skinny)  # [B, V] (rows fed nothing: any row's logits)
-        logits = _linear(self.norm(x), self.head, self.skinny)  # [C, V]
+            return _linear(self.norm(x[pick]), self.head, self.plan)  # [B, V] (rows fed nothing: any row's logits)
+        logits = _linear(self.norm(x), self.head, self.plan)  # [C, V]
         out = logits.new_zeros(batch * n, logits.shape[-1])
         out[packed] = logits
         return out.view(batch, n, -1)  # padding columns: zero logits
