@@ -114,3 +114,9 @@ SERVERS="ar spec hf" REPEAT=2 ./scripts/serve_bench.sh docs/results/serve_wave11
 # Wave 12 (the AMD EPYC): the kernel timed at every token count up to 12, a lookup's indexing priced.
 adaptive_table wave12
 echo_cells wave12
+# Wave 13 (the AMD EPYC): a linear over n tokens may run over more rows where the CPU's BLAS is
+# faster at the larger count; the serving table's cells at concurrency 8 and 32 at least 64 requests.
+SERVERS="ar spec hf" REPEAT=2 ./scripts/serve_bench.sh docs/results/serve_wave13
+SERVERS="ar spec hf" CONCURRENCIES=8 ./scripts/serve_bench.sh docs/results/serve_wave13_c8
+adaptive_table wave13
+echo_cells wave13

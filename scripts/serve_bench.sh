@@ -11,7 +11,8 @@
 # Run nothing else meanwhile. Settings (environment variables):
 #   TARGET          model [default: the bundled target]          DTYPE       [float32]
 #   CONCURRENCIES   [1 8 32]                                     MAX_TOKENS  [64] (greedy)
-#   REQUESTS        timed requests per cell [max(32, 4 x concurrency)]
+#   REQUESTS        timed requests per cell [32 at concurrency 1, else max(64, 4 x concurrency): at 8,
+#                   32 requests were 5-8 s a cell, short enough for one slow spell to move it 20 %]
 #   REPEAT          [1]           SERVERS  [ar spec hf] (and fixed)      PORT [8123]
 #   BATCH           --max-batch-size of batchspec serve [32]
 #   SPEC_ARGS       extra options of the speculative server, e.g. "--gamma 3" [none: EngineConfig's defaults]
@@ -76,7 +77,7 @@ trap 'if [ -n "$SERVER_PID" ]; then stop_server; fi' EXIT
 order=($SERVERS)
 for rep in $(seq 1 "$REPEAT"); do
   for c in $CONCURRENCIES; do
-    requests="${REQUESTS:-$(( 4 * c > 32 ? 4 * c : 32 ))}"
+    requests="${REQUESTS:-$(( c == 1 ? 32 : (4 * c > 64 ? 4 * c : 64) ))}"
     for server in "${order[@]}"; do
       echo "== repeat $rep, concurrency $c: $server ($requests requests)" >&2
       start_server "$server"

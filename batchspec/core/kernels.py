@@ -19,8 +19,8 @@ made plain decoding at batch 1 4x slower there: 91 tokens/s against transformers
 
 Nothing is hard-coded now: the first lean forward of a model on a CPU in float32 times both
 kernels over the model's own matrices at every token count from 1 to 32, and `kernel_plan`
-returns, for each count n, the cheapest of the two kernels at n or at any larger count plus what
-adding the zero rows costs (`Plan`). The plan is kept per CPU, thread count, torch version and
+returns, for each count n, the cheapest of the two kernels at n or at any larger count (there with
+what adding the zero rows costs and a 5 % margin against noise: `Plan`, `plan_from_times`). The plan is kept per CPU, thread count, torch version and
 shapes, in memory and on disk (`batchspec/cache.py`). Zero rows change no other row's numbers in
 exact arithmetic; in float32 a different kernel or count may round differently, as a different
 batch already does (`batchspec verify` reruns any divergence in float64).
