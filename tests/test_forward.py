@@ -130,7 +130,7 @@ def test_packed_forward_equals_padded(arch, monkeypatch):
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (3, 1, 24), (2, 16, 24), (33, 24), (0, 24)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matmul_equals_linear(shape, bias):
-    """`matmul` (W @ x^T for a few tokens, one token fed twice) computes F.linear's numbers and shape,
+    """`matmul` (W @ x^T for a few tokens, one token fed as two) computes F.linear's numbers and shape,
     on either side of its token threshold and for an empty input."""
     torch.manual_seed(0)
     x, weight = torch.randn(*shape), torch.randn(40, 24)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -108,6 +109,10 @@ def test_a_choice_is_kept_on_disk_and_read_back(fresh, monkeypatch):
     monkeypatch.setattr(kernels, "_CHOSEN", {})
     kernels.kernel_plan(weights(*shapes), instant, slow, repeats=2)
     assert len(calls) == 2 * measured
+    files[0].write_text(json.dumps({"fed": [0, 1, 2], "mm": [1]}))  # another version's plan: measured again
+    monkeypatch.setattr(kernels, "_CHOSEN", {})
+    kernels.kernel_plan(weights(*shapes), instant, slow, repeats=2)
+    assert len(calls) == 3 * measured
 
 
 def test_only_float32_on_a_cpu_is_measured(fresh):

@@ -20,8 +20,9 @@ made plain decoding at batch 1 4x slower there: 91 tokens/s against transformers
 Nothing is hard-coded now: the first lean forward of a model on a CPU in float32 times both
 kernels over the model's own matrices at every token count from 1 to 32, and `kernel_plan`
 returns, for each count n, the cheapest of the two kernels at n or at any larger count (there with
-what adding the zero rows costs and a 5 % margin against noise: `Plan`, `plan_from_times`). The plan is kept per CPU, thread count, torch version and
-shapes, in memory and on disk (`batchspec/cache.py`). Zero rows change no other row's numbers in
+what adding the zero rows costs and a 5 % margin against noise: `Plan`, `plan_from_times`). The
+plan is kept per CPU, thread count, torch version and shapes, in memory and on disk
+(`batchspec/cache.py`). Zero rows change no other row's numbers in
 exact arithmetic; in float32 a different kernel or count may round differently, as a different
 batch already does (`batchspec verify` reruns any divergence in float64).
 
@@ -95,15 +96,22 @@ def kernel_plan(weights: list[torch.Tensor], mm=w_xt, linear=F.linear, repeats: 
         path = cache.keyed_path("kernels", {"shapes": shapes, "cpu": cache.cpu_name(), "dtype": "float32",
                                             "matrices": len(weights), "counts": COUNTS, "padded": True})
         # (choices timed one matrix per shape, at fewer counts or without padding are not reused)
-        stored = cache.read(path)
-        try:
-            fed, by_mm = stored["fed"], stored["mm"]
-            assert len(fed) == COUNTS[-1] + 1 and all(isinstance(n, int) for n in [*fed, *by_mm])
-            _CHOSEN[key] = Plan(tuple(fed), frozenset(by_mm))
-        except (TypeError, KeyError, AssertionError):
-            _CHOSEN[key] = _measure(weights, linear, mm, repeats)
-            cache.write(path, {"fed": list(_CHOSEN[key].fed), "mm": sorted(_CHOSEN[key].mm)})
+        stored = _stored_plan(cache.read(path))
+        if stored is None:
+            stored = _measure(weights, linear, mm, repeats)
+            cache.write(path, {"fed": list(stored.fed), "mm": sorted(stored.mm)})
+        _CHOSEN[key] = stored
     return _CHOSEN[key]
+
+
+def _stored_plan(data) -> Plan | None:
+    """The plan a cache file holds, or None when it holds none this version can use."""
+    fed, by_mm = (data.get("fed"), data.get("mm")) if isinstance(data, dict) else (None, None)
+    if not isinstance(fed, list) or not isinstance(by_mm, list) or len(fed) != COUNTS[-1] + 1:
+        return None
+    if not all(isinstance(n, int) for n in [*fed, *by_mm]) or any(m < n for n, m in enumerate(fed)):
+        return None
+    return Plan(tuple(fed), frozenset(by_mm))
 
 
 def _measure(weights: list[torch.Tensor], linear, mm, repeats: int) -> Plan:
