@@ -39,8 +39,8 @@ streams the whole model through the caches, and a kernel that wins on a matrix a
 can lose on one read from memory. Timed one per shape (four matrices, 1.6 MB, cache-resident), the
 EPYC above chose `F.linear` at 2 tokens (0.23 against 0.37 ms); over all of the bundled target's
 (57 MB) W @ xᵀ wins there (5.4 against 6.2 ms), and plain decoding at batch 2 made 105-114
-tokens/s with the first choice against 147-172 with the second. Measuring takes about 3 s for the
-bundled target and 1 s for its draft, once per machine.
+tokens/s with the first choice against 147-172 with the second. Measuring took 3-5 s for the
+bundled target and under 1 s for its draft on the EPYC, once per machine.
 """
 
 from __future__ import annotations
