@@ -26,7 +26,7 @@ def model_for(arch: str, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
-# ([40, 3], 2): a 40-token row is past FOLD_TOKENS and kernels.COUNTS (the unfolded, F.linear paths)
+# ([40, 3], 2): a 40-token row is past FOLD_TOKENS (the unfolded attention) and on kernels' ladder
 @pytest.mark.parametrize("lengths,extra", [([5, 1, 9, 3], 4), ([6, 6], 1), ([7], 3), ([40, 3], 2)])
 def test_lean_matches_transformers_modules(arch, lengths, extra):
     model = model_for(arch)

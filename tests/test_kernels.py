@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -12,9 +11,19 @@ from batchspec.core import kernels
 from batchspec.core.forward import matmul
 
 
+class Clock:
+    """The clock `kernel_plan` reads while a test runs: it moves only when a fake kernel says so."""
+    now = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
 @pytest.fixture()
 def fresh(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_CHOSEN", {})
+    monkeypatch.setattr(kernels, "time", Clock)
     monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path))
     return tmp_path
 
@@ -24,33 +33,32 @@ def weights(*shapes):
 
 
 def kernel(seconds):
-    """A fake kernel taking `seconds(count)` over each matrix (real kernels over these small matrices
-    take microseconds)."""
+    """A fake kernel taking `seconds(count)` over each matrix by the test's clock (real kernels over
+    these small matrices take microseconds, and a real sleep jitters by more than a plan's margin)."""
     def run(x, w):
-        wait = seconds(x.shape[0])
-        if wait:
-            time.sleep(wait)
+        Clock.now += seconds(x.shape[0])
         return x.new_empty(x.shape[0], w.shape[0])
     return run
 
 
 def test_the_faster_kernel_is_chosen_per_token_count(fresh):
     """A W @ x^T that wins only at 1 and 2 tokens is taken there and nowhere else."""
-    mm = kernel(lambda n: 0 if n <= 2 else 0.006)
+    mm = kernel(lambda n: 0 if n <= 2 else 0.001 * (2 + n / 8))
     linear = kernel(lambda n: 0.001 * (1 + n / 8))  # more tokens take longer: no count is fed more
     plan = kernels.kernel_plan(weights((512, 512), (256, 512)), mm, linear, repeats=2)
-    assert plan.mm == {1, 2} and plan.fed[2:] == tuple(range(2, 33))
+    assert plan.mm == {1, 2} and plan.fed[2:] == tuple(range(2, kernels.COUNTS[-1] + 1))
     assert kernels.kernel_plan(weights((512, 512), (256, 512)), linear, mm, repeats=2) == plan
     # (the second call measured nothing: the same shapes, threads and torch were decided above)
 
 
 def test_a_count_both_kernels_run_slowly_is_fed_as_a_larger_one(fresh):
     """Both kernels slow up to 16 tokens, W @ x^T fast at 16 (as the EPYC at 12 against 16): every
-    count up to 16 is fed as 16 rows of W @ x^T, the counts above as themselves under F.linear."""
-    mm = kernel(lambda n: 0 if n == 16 else 0.006)
+    count up to 16 is fed as 16 rows of W @ x^T, the counts above as themselves under F.linear (those
+    between ladder counts too: F.linear's time interpolated there is below the next count's)."""
+    mm = kernel(lambda n: 0 if n == 16 else 0.001 * (2 + n / 8))
     linear = kernel(lambda n: 0.001 * (1 + n / 8))
     plan = kernels.kernel_plan(weights((512, 512)), mm, linear, repeats=2)
-    assert plan.fed == (0, *[16] * 16, *range(17, 33))
+    assert plan.fed == (0, *[16] * 16, *range(17, kernels.COUNTS[-1] + 1))
     assert plan.mm == set(range(1, 17))
 
 
@@ -69,11 +77,26 @@ def test_rows_are_added_only_where_they_pay_for_themselves():
 
 def test_every_count_a_verify_pass_feeds_is_timed(fresh):
     """Decoding feeds every count from 1 to 32 (4 rows verifying 2 draft tokens: 12): each is timed
-    under both kernels, none is inferred from its neighbours."""
+    under both kernels, none is inferred from its neighbours; above 32 the ladder's counts are."""
     seen = {"mm": set(), "linear": set()}
     kernels.kernel_plan(weights((64, 32)), lambda x, w: seen["mm"].add(x.shape[0]),
                         lambda x, w: seen["linear"].add(x.shape[0]), repeats=1)
-    assert seen["mm"] == seen["linear"] == set(range(1, 33))
+    assert seen["mm"] == seen["linear"] == set(range(1, 33)) | {40, 48, 64, 128, 256} | set(kernels.LADDER)
+
+
+def test_a_count_between_ladder_counts_runs_as_the_cheaper_of_the_next_and_itself():
+    """`plan_from_times` above 32 (the EPYC's numbers, in ms): W @ x^T at 40 beats F.linear at 36
+    as interpolated between 32 and 40, so 36 runs as 40 rows of W @ x^T; where W @ x^T at 40 is
+    slow, 36 stays 36 rows under F.linear, untimed but no worse than before the ladder."""
+    def times(mm_at_40):
+        seconds = {(n, name): 20.0 for n in kernels.COUNTS for name in ("linear", "mm")}
+        seconds.update({(32, "linear"): 14.7, (40, "linear"): 16.5, (32, "mm"): 10.1, (40, "mm"): mm_at_40})
+        return seconds
+    plan = kernels.plan_from_times(times(12.5), pad_s={n: 0.1 for n in kernels.COUNTS})
+    assert plan.fed[36] == 40 and 36 in plan.mm
+    plan = kernels.plan_from_times(times(16.0), pad_s={n: 0.1 for n in kernels.COUNTS})
+    assert plan.fed[36] == 36 and 36 not in plan.mm  # 15.6 interpolated against 16.0 x 1.05 + 0.1
+    assert plan.fed[32] == 32 and 32 in plan.mm  # a timed count: as timed
 
 
 def test_every_matrix_is_timed_not_one_per_shape(fresh):
@@ -98,7 +121,7 @@ def test_a_choice_is_kept_on_disk_and_read_back(fresh, monkeypatch):
     shapes = ((256, 256), (128, 256))
     slow = kernel(lambda n: 0.001)
     plan = kernels.kernel_plan(weights(*shapes), instant, slow, repeats=2)
-    assert plan.mm == set(range(1, 33))
+    assert plan.mm == set(range(1, kernels.COUNTS[-1] + 1))  # (between ladder counts: padded, W @ x^T)
     measured = len(calls)
     files = list((fresh / "kernels").iterdir())
     assert measured > 0 and len(files) == 1
@@ -125,13 +148,14 @@ def test_only_float32_on_a_cpu_is_measured(fresh):
     assert kernels.kernel_plan([], never, never) == linear_only
 
 
-@pytest.mark.parametrize("rows", [1, 3, 12, 40])
+@pytest.mark.parametrize("rows", [1, 3, 12, 40, 300])
 def test_matmul_takes_either_kernel_over_any_rows_with_the_same_numbers(rows):
-    """Either kernel, over x's rows or with zero rows added (up to 32), gives F.linear's numbers."""
+    """Either kernel, over x's rows or with zero rows added (up to 256; 300 rows: past any plan),
+    gives F.linear's numbers."""
     x, w, b = torch.randn(rows, 24), torch.randn(40, 24), torch.randn(40)
     linear = torch.nn.functional.linear(x, w, b)
     counts = range(kernels.COUNTS[-1] + 1)
-    padded = tuple(min(n + 5, 32) if n else 0 for n in counts)
+    padded = tuple(min(n + 5, kernels.COUNTS[-1]) if n else 0 for n in counts)
     for plan in (kernels.Plan.everywhere(False), kernels.Plan.everywhere(True), kernels.Plan(padded, frozenset()),
                  kernels.Plan(padded, frozenset(counts))):
         out = matmul(x, w, b, plan)

@@ -18,9 +18,10 @@ fastest as two. On the Xeon F.linear wins everywhere (W @ xᵀ, hard-coded after
 made plain decoding at batch 1 4x slower there: 91 tokens/s against transformers' 156).
 
 Nothing is hard-coded now: the first lean forward of a model on a CPU in float32 times both
-kernels over the model's own matrices at every token count from 1 to 32, and `kernel_plan`
-returns, for each count n, the cheapest of the two kernels at n or at any larger count (there with
-what adding the zero rows costs and a 5 % margin against noise: `Plan`, `plan_from_times`). The
+kernels over the model's own matrices at every token count from 1 to 32 and on a ladder above it
+(40, 48, ..., 256), and `kernel_plan` returns, for each count n up to 256, the cheapest of the two
+kernels at n or at any larger count timed (there with what adding the zero rows costs and a 5 %
+margin against noise: `Plan`, `plan_from_times`). The
 plan is kept per CPU, thread count, torch version and shapes, in memory and on disk
 (`batchspec/cache.py`). Zero rows change no other row's numbers in
 exact arithmetic; in float32 a different kernel or count may round differently, as a different
@@ -34,13 +35,21 @@ sweeps (every count once per sweep, the best of `repeats` sweeps), after an unti
 count at a time, the first count measured carried the warm-up and a slow spell of the machine fell
 on one or two counts.
 
+The ladder covers plain steps and verify passes of 32 to 64 rows (a plain step at 64 rows feeds 64
+tokens, a verify pass at 32 rows 32 plus the drafts), where `F.linear` had run unplanned. On the
+EPYC: F.linear 14.7, 16.5, 18.6, 20.8 ms at 32, 40, 48, 64 tokens, W @ xᵀ 10.1, 12.5, 11.6, 15.0
+(and 17.7 at 46): 33 to 47 tokens run as 48 rows of W @ xᵀ, a pass of 32 rows with 16 drafts
+costs 15 % more in its linears than a plain step, not 80 %. Between ladder counts a count may
+also run unpadded under F.linear (its time interpolated); above 256, F.linear as it is.
+
 Every matrix is timed in the order a forward reads them, not one of each shape: a decoding step
 streams the whole model through the caches, and a kernel that wins on a matrix already in cache
 can lose on one read from memory. Timed one per shape (four matrices, 1.6 MB, cache-resident), the
 EPYC above chose `F.linear` at 2 tokens (0.23 against 0.37 ms); over all of the bundled target's
 (57 MB) W @ xᵀ wins there (5.4 against 6.2 ms), and plain decoding at batch 2 made 105-114
-tokens/s with the first choice against 147-172 with the second. Measuring took 3-5 s for the
-bundled target and under 1 s for its draft on the EPYC, once per machine.
+tokens/s with the first choice against 147-172 with the second. Measuring takes ~7 s for the
+bundled target and ~2 s for its draft on the EPYC, once per machine (the ladder's counts in the
+first LADDER_SWEEPS sweeps only: they take longest and vary least).
 """
 
 from __future__ import annotations
@@ -53,7 +62,10 @@ import torch.nn.functional as F
 
 from .. import cache
 
-COUNTS = tuple(range(1, 33))  # token counts timed; above the last, F.linear as it is
+DENSE = 32  # every count up to this is timed (decoding and verifying small batches feed them all)
+LADDER = (40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # and these above it (see the docstring)
+COUNTS = (*range(1, DENSE + 1), *LADDER)  # token counts timed; above the last, F.linear as it is
+LADDER_SWEEPS = 2  # sweeps that time the ladder too: its counts take longest and vary least
 PAD_MARGIN = 0.05  # rows are added only where the larger count is this much faster: not on noise
 _CHOSEN: dict[tuple, Plan] = {}
 
@@ -72,7 +84,7 @@ class Plan(NamedTuple):
         """One kernel at every count, no rows added, except one token fed as two under W @ xᵀ (the
         matrix-vector path it would take instead is the slow one where W @ xᵀ pays at all)."""
         fed = tuple(2 if mm and n == 1 else n for n in range(COUNTS[-1] + 1))
-        return cls(fed, frozenset(COUNTS) if mm else frozenset())
+        return cls(fed, frozenset(range(1, COUNTS[-1] + 1)) if mm else frozenset())
 
     def key(self) -> list:
         """A JSON form, for cache keys."""
@@ -117,37 +129,47 @@ def _stored_plan(data) -> Plan | None:
 def _measure(weights: list[torch.Tensor], linear, mm, repeats: int) -> Plan:
     kernels = (("linear", linear), ("mm", mm))
     best = {(n, name): float("inf") for n in COUNTS for name, _ in kernels}
-    pad_s = float("inf")  # adding zero rows to every matrix's input
+    pad_s = dict.fromkeys(COUNTS, float("inf"))  # adding a zero row to every matrix's input of n rows
     with torch.no_grad():
         inputs = {n: [torch.randn(n, w.shape[1]) for w in weights] for n in COUNTS}
         for _, fn in kernels:  # untimed: the first pass over the matrices pays for what the rest do not
             for w, x in zip(weights, inputs[1]):
                 fn(x, w)
         for sweep in range(repeats):  # every count once per sweep, the kernels alternating: a slow
-            for n in COUNTS:  # spell of a shared machine falls on both kernels and on many counts
-                for name, fn in kernels if sweep % 2 else kernels[::-1]:
+            for n in COUNTS if sweep < LADDER_SWEEPS else COUNTS[:DENSE]:  # spell of a shared machine
+                for name, fn in kernels if sweep % 2 else kernels[::-1]:  # falls on both and on many counts
                     start = time.perf_counter()
                     for w, x in zip(weights, inputs[n]):
                         fn(x, w)
                     best[(n, name)] = min(best[(n, name)], time.perf_counter() - start)
-            start = time.perf_counter()
-            for x in inputs[COUNTS[-1] // 2]:
-                torch.cat((x, x.new_zeros(1, x.shape[1])))
-            pad_s = min(pad_s, time.perf_counter() - start)
+                start = time.perf_counter()
+                for x in inputs[n]:
+                    torch.cat((x, x.new_zeros(1, x.shape[1])))
+                pad_s[n] = min(pad_s[n], time.perf_counter() - start)
     return plan_from_times(best, pad_s)
 
 
-def plan_from_times(seconds: dict[tuple[int, str], float], pad_s: float) -> Plan:
-    """The plan from `seconds[(count, "linear" | "mm")]` at every count in COUNTS: each count n takes
-    the cheapest (kernel, m >= n); with m > n, adding the zero rows costs `pad_s` and the kernel's
-    time counts PAD_MARGIN more.
+def plan_from_times(seconds: dict[tuple[int, str], float], pad_s: float | dict[int, float]) -> Plan:
+    """The plan from `seconds[(count, "linear" | "mm")]` at every count in COUNTS: each count n up to
+    the last takes the cheapest (kernel, m >= n) among the counts timed; with m > n, adding the zero
+    rows costs `pad_s` (or pad_s[m]: a copy of m rows) and the kernel's time counts PAD_MARGIN more.
+    A count between two ladder counts (not timed) may also run as itself under `F.linear`, what it
+    did before it had a plan, at the time interpolated between theirs (`F.linear`'s time grows
+    smoothly with the count; W @ xᵀ's jumps, so it is never guessed).
 
     Example: linear/mm 7.3/7.4 ms at 12, 7.5/5.5 at 16, pad 0.1 -> 12 runs as 16 rows of W @ xᵀ
-    (5.5 x 1.05 + 0.1 = 5.9 ms against 7.3)."""
+    (5.5 x 1.05 + 0.1 = 5.9 ms against 7.3). Between the ladder's 32 and 40: linear 14.7 and 16.5
+    ms, mm 10.1 and 12.5 -> 36 runs as 40 rows of W @ xᵀ (13.2 against F.linear's 15.6 at 36)."""
     fed, by_mm = [0], set()
-    for n in COUNTS:
-        _, m, name = min((seconds[(m, name)] * (1 + PAD_MARGIN) + pad_s if m > n else seconds[(m, name)], m, name)
-                         for m in COUNTS if m >= n for name in ("linear", "mm"))
+    for n in range(1, COUNTS[-1] + 1):
+        options = [(seconds[(m, name)] * (1 + PAD_MARGIN) + (pad_s if isinstance(pad_s, float) else pad_s[m])
+                     if m > n else seconds[(m, name)], m, name) for m in COUNTS if m >= n for name in ("linear", "mm")]
+        if n not in COUNTS:
+            below, above = max(m for m in COUNTS if m < n), min(m for m in COUNTS if m > n)
+            share = (n - below) / (above - below)
+            options.append((seconds[(below, "linear")] * (1 - share) + seconds[(above, "linear")] * share,
+                            n, "linear"))
+        _, m, name = min(options)
         fed.append(m)
         if name == "mm":
             by_mm.add(n)
