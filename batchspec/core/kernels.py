@@ -162,7 +162,7 @@ def plan_from_times(seconds: dict[tuple[int, str], float], pad_s: float | dict[i
     ms, mm 10.1 and 12.5 -> 36 runs as 40 rows of W @ xᵀ (13.2 against F.linear's 15.6 at 36)."""
     fed, by_mm = [0], set()
     for n in range(1, COUNTS[-1] + 1):
-        options = [(seconds[(m, name)] * (1 + PAD_MARGIN) + (pad_s if isinstance(pad_s, float) else pad_s[m])
+        options = [(seconds[(m, name)] * (1 + PAD_MARGIN) + (pad_s[m] if isinstance(pad_s, dict) else pad_s)
                      if m > n else seconds[(m, name)], m, name) for m in COUNTS if m >= n for name in ("linear", "mm")]
         if n not in COUNTS:
             below, above = max(m for m in COUNTS if m < n), min(m for m in COUNTS if m > n)
