@@ -120,3 +120,6 @@ SERVERS="ar spec hf" REPEAT=2 ./scripts/serve_bench.sh docs/results/serve_wave13
 SERVERS="ar spec hf" CONCURRENCIES=8 ./scripts/serve_bench.sh docs/results/serve_wave13_c8
 adaptive_table wave13
 echo_cells wave13
+# Wave 14: counts above 32 tokens planned too (a ladder 40..256, core/kernels.py).
+adaptive_table wave14
+echo_cells wave14
