@@ -38,9 +38,10 @@ on one or two counts.
 The ladder covers plain steps and verify passes of 32 to 64 rows (a plain step at 64 rows feeds 64
 tokens, a verify pass at 32 rows 32 plus the drafts), where `F.linear` had run unplanned. On the
 EPYC: F.linear 14.7, 16.5, 18.6, 20.8 ms at 32, 40, 48, 64 tokens, W @ xᵀ 10.1, 12.5, 11.6, 15.0
-(and 17.7 at 46): 33 to 47 tokens run as 48 rows of W @ xᵀ, a pass of 32 rows with 16 drafts
-costs 15 % more in its linears than a plain step, not 80 %. Between ladder counts a count may
-also run unpadded under F.linear (its time interpolated); above 256, F.linear as it is.
+(and 17.7 at 46): 33 to 47 tokens run as 48 rows of W @ xᵀ (40 as itself), and a pass of 32
+rows with 16 drafts costs 15 % more in its linears than a plain step, not 80 %. Between ladder
+counts a count may also run unpadded under F.linear (its time interpolated); above 256, F.linear
+as it is.
 
 Every matrix is timed in the order a forward reads them, not one of each shape: a decoding step
 streams the whole model through the caches, and a kernel that wins on a matrix already in cache
