@@ -49,7 +49,7 @@ can lose on one read from memory. Timed one per shape (four matrices, 1.6 MB, ca
 EPYC above chose `F.linear` at 2 tokens (0.23 against 0.37 ms); over all of the bundled target's
 (57 MB) W @ xᵀ wins there (5.4 against 6.2 ms), and plain decoding at batch 2 made 105-114
 tokens/s with the first choice against 147-172 with the second. Measuring takes ~7 s for the
-bundled target and ~2 s for its draft on the EPYC, once per machine (the ladder's counts in the
+bundled target and ~1 s for its draft on the EPYC, once per machine (the ladder's counts in the
 first LADDER_SWEEPS sweeps only: they take longest and vary least).
 """
 
