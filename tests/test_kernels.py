@@ -28,6 +28,11 @@ def fresh(monkeypatch, tmp_path):
     return tmp_path
 
 
+def pads(seconds):
+    """The same padding cost at every count."""
+    return dict.fromkeys(kernels.COUNTS, seconds)
+
+
 def weights(*shapes):
     return [torch.randn(*shape) for shape in shapes]
 
@@ -63,16 +68,21 @@ def test_a_count_both_kernels_run_slowly_is_fed_as_a_larger_one(fresh):
 
 
 def test_rows_are_added_only_where_they_pay_for_themselves():
-    """`plan_from_times`: 12 is fed as 16 when 16 costs less than 12 by more than adding the rows and
-    the margin (PAD_MARGIN)."""
+    """`plan_from_times`: 12 is fed as 16 when 16 costs less than 12 by more than adding the rows (at
+    16) and the margin (PAD_MARGIN)."""
     def times(at_16):
         seconds = {(n, name): 7.0 for n in kernels.COUNTS for name in ("linear", "mm")}
         seconds[(16, "mm")] = at_16
         return seconds
-    assert kernels.plan_from_times(times(5.0), pad_s=0.5).fed[12] == 16
-    assert kernels.plan_from_times(times(6.8), pad_s=0.5).fed[12] == 12
-    assert kernels.plan_from_times(times(6.8), pad_s=0.0).fed[12] == 12  # 3 % faster: noise, not a kernel
-    assert kernels.plan_from_times(times(6.8), pad_s=0.5).fed[16] == 16
+    assert kernels.plan_from_times(times(5.0), pad_s=pads(0.5)).fed[12] == 16
+    assert kernels.plan_from_times(times(6.8), pad_s=pads(0.5)).fed[12] == 12
+    assert kernels.plan_from_times(times(6.8), pad_s=pads(0.0)).fed[12] == 12  # 3 % faster: noise, not a kernel
+    assert kernels.plan_from_times(times(6.8), pad_s=pads(0.5)).fed[16] == 16
+    # 6.0 x 1.05 = 6.3: with adding the rows at 0.5 (6.8) it pays, at 1.0 (7.3) it does not; the cost
+    # is the one of the count the rows are added up to (a copy of 16 rows, not of 12)
+    assert kernels.plan_from_times(times(6.0), pad_s=pads(0.5)).fed[12] == 16
+    assert kernels.plan_from_times(times(6.0), pad_s=pads(1.0)).fed[12] == 12
+    assert kernels.plan_from_times(times(6.0), pad_s={**pads(0.5), 16: 1.0}).fed[12] == 12
 
 
 def test_every_count_a_verify_pass_feeds_is_timed(fresh):
@@ -92,9 +102,9 @@ def test_a_count_between_ladder_counts_runs_as_the_cheaper_of_the_next_and_itsel
         seconds = {(n, name): 20.0 for n in kernels.COUNTS for name in ("linear", "mm")}
         seconds.update({(32, "linear"): 14.7, (40, "linear"): 16.5, (32, "mm"): 10.1, (40, "mm"): mm_at_40})
         return seconds
-    plan = kernels.plan_from_times(times(12.5), pad_s={n: 0.1 for n in kernels.COUNTS})
+    plan = kernels.plan_from_times(times(12.5), pad_s=pads(0.1))
     assert plan.fed[36] == 40 and 36 in plan.mm
-    plan = kernels.plan_from_times(times(16.0), pad_s={n: 0.1 for n in kernels.COUNTS})
+    plan = kernels.plan_from_times(times(16.0), pad_s=pads(0.1))
     assert plan.fed[36] == 36 and 36 not in plan.mm  # 15.6 interpolated against 16.0 x 1.05 + 0.1
     assert plan.fed[32] == 32 and 32 in plan.mm  # a timed count: as timed
 

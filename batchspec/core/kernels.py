@@ -150,21 +150,21 @@ def _measure(weights: list[torch.Tensor], linear, mm, repeats: int) -> Plan:
     return plan_from_times(best, pad_s)
 
 
-def plan_from_times(seconds: dict[tuple[int, str], float], pad_s: float | dict[int, float]) -> Plan:
+def plan_from_times(seconds: dict[tuple[int, str], float], pad_s: dict[int, float]) -> Plan:
     """The plan from `seconds[(count, "linear" | "mm")]` at every count in COUNTS: each count n up to
     the last takes the cheapest (kernel, m >= n) among the counts timed; with m > n, adding the zero
-    rows costs `pad_s` (or pad_s[m]: a copy of m rows) and the kernel's time counts PAD_MARGIN more.
+    rows costs pad_s[m] (a copy of m rows) and the kernel's time counts PAD_MARGIN more.
     A count between two ladder counts (not timed) may also run as itself under `F.linear`, what it
     did before it had a plan, at the time interpolated between theirs (`F.linear`'s time grows
     smoothly with the count; W @ xᵀ's jumps, so it is never guessed).
 
-    Example: linear/mm 7.3/7.4 ms at 12, 7.5/5.5 at 16, pad 0.1 -> 12 runs as 16 rows of W @ xᵀ
+    Example: linear/mm 7.3/7.4 ms at 12, 7.5/5.5 at 16, pad_s[16] 0.1 -> 12 runs as 16 rows of W @ xᵀ
     (5.5 x 1.05 + 0.1 = 5.9 ms against 7.3). Between the ladder's 32 and 40: linear 14.7 and 16.5
     ms, mm 10.1 and 12.5 -> 36 runs as 40 rows of W @ xᵀ (13.2 against F.linear's 15.6 at 36)."""
     fed, by_mm = [0], set()
     for n in range(1, COUNTS[-1] + 1):
-        options = [(seconds[(m, name)] * (1 + PAD_MARGIN) + (pad_s[m] if isinstance(pad_s, dict) else pad_s)
-                     if m > n else seconds[(m, name)], m, name) for m in COUNTS if m >= n for name in ("linear", "mm")]
+        options = [(seconds[(m, name)] * (1 + PAD_MARGIN) + pad_s[m] if m > n else seconds[(m, name)], m, name)
+                   for m in COUNTS if m >= n for name in ("linear", "mm")]
         if n not in COUNTS:
             below, above = max(m for m in COUNTS if m < n), min(m for m in COUNTS if m > n)
             share = (n - below) / (above - below)
