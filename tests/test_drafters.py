@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from test_sampling import chi_square, models
 from tiny import VOCAB, make_model, perturbed, prompts, references
 
 import batchspec.decode.round as round_module
+import batchspec.drafters.hybrid as hybrid_module
 from batchspec import EngineConfig, ModelPair, SamplingParams, SpecEngine
 from batchspec.cli import echo_workload
 from batchspec.core.request import FinishReason, Request
@@ -37,6 +39,7 @@ from batchspec.drafters import (
     parse_drafter,
     split_drafters,
 )
+from batchspec.drafters.base import DraftProposal
 from batchspec.drafters.hybrid import ModelGate
 from batchspec.drafters.ngram import NgramDrafter, NgramIndex
 from batchspec.drafters.suffix import SuffixDrafter, most_frequent_path
@@ -413,6 +416,35 @@ def test_hybrid_drops_a_draft_model_that_does_not_pay():
     # time: measured against the next round without it, it does not pay, and every later round
     # with a row without a match skips it
     assert len(calls) == 1 and not hybrid.gate.pays() and hybrid.gate.skipped > 20
+
+
+def test_the_gate_charges_a_model_round_its_share_of_the_catch_up(monkeypatch):
+    """A model round that first catches up on a row (its prompt, or what the lookup drafted) is
+    charged the share of the catch-up a plan charges (`AdaptivePolicy.catch_up_share`); the rest
+    serves later rounds and is left out, pro rata of the tokens fed. Here the draft model runs
+    1.04 s on a row 102 tokens behind (100 beyond the usual 2) with 4 to draft: a quarter of the
+    catch-up is charged, so 1.04 x 75 / 104 = 0.75 s is left out and the round records 0.29 s.
+    Left out whole, a request the lookup serves almost alone paid a full catch-up for a model
+    round or two that the gate never saw."""
+    now = [0.0]
+    monkeypatch.setattr(hybrid_module.time, "perf_counter", lambda: now[0])
+    row = request(range(110))
+    row.kv_len["draft"] = 8
+    monkeypatch.setattr(hybrid_module.AdaptivePolicy, "catch_up_share", staticmethod(lambda req: 0.25))
+
+    def model_propose(reqs, gamma, uniforms, sampling, lengths=None):
+        now[0] += 1.04
+        return DraftProposal(torch.zeros(len(reqs), gamma, dtype=torch.long), None)
+
+    runner = SimpleNamespace(name="draft", device=CPU)
+    model = SimpleNamespace(runner=runner, propose=model_propose, observe=lambda reqs, accepted: None)
+    lookup = SimpleNamespace(label="none", catch_up_s=0.0, find=lambda req, limit: ([], None))
+    hybrid = HybridDrafter(model, lookup)
+    hybrid.gate = ModelGate(weight=1.0)
+    hybrid.propose([row], 4, None, BatchSampling.of([row.params], CPU))
+    assert hybrid._round[1] == pytest.approx(0.75)
+    hybrid.observe([row], [3])
+    assert hybrid.gate.model == pytest.approx([4.0, 0.29])
 
 
 # ------------------------------------------------------------------------------------- greedy equivalence
