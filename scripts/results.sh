@@ -123,3 +123,13 @@ echo_cells wave13
 # Wave 14: counts above 32 tokens planned too (a ladder 40..256, core/kernels.py).
 adaptive_table wave14
 echo_cells wave14
+# Wave 15: the hybrid's gate charged its share of the draft model's catch-ups; five repeats, and
+# every drafter on both workloads.
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 5 --json docs/results/wave15_adaptive.json
+for w in echo plain; do
+  g=8; [ "$w" = plain ] && g=4
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
+    --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma "$g" --workload "$w" \
+    --json "docs/results/wave15_adaptive_$w.json"
+done
