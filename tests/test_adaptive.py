@@ -220,6 +220,30 @@ def test_plain_and_speculative_rounds_are_corrected_apart():
     assert c.verify(8, 2) == pytest.approx(1.3 * 0.024, rel=0.01)
 
 
+def test_each_depth_learns_its_own_cost():
+    """A profile that read every depth alike at batch 1 (10 ms), on a machine where a pass with a
+    4th draft costs 14 ms and shorter ones 10; draft steps 2 ms. Requests alternate between
+    acceptance 0.9 (by the profile worth 4 drafts: 4.1 tokens in 18 ms against 3.4 in 16) and
+    0.3 (3 drafts). Once the rounds have measured each depth, the 0.9 rows verify 3 as well (4
+    drafts: 4.1 tokens in 22 ms). One scale for all depths, learnt from the mix of both, prices
+    them alike (~12 ms) and keeps verifying 4."""
+    c = CostModel(rows=(1, 2), cols=(1, 5), verify_s={(1, 1): 0.010, (1, 5): 0.010, (2, 1): 0.015, (2, 5): 0.015},
+                  draft_s={1: 0.002, 2: 0.003})
+    policy = exact_policy(c, gamma_max=4, prior=0.9, margin=1.0)
+    policy.later_rates = lambda: [0.9, 0.9, 0.9]  # (d_2..d_4 given the ones before: pair-wide)
+    chosen = {0.9: [], 0.3: []}
+    for i in range(80):
+        alpha = (0.9, 0.3)[i % 2]
+        lengths = policy.plan([alpha], [4])
+        chosen[alpha].append(lengths[0])
+        measured = 0.014 if lengths[0] == 4 else 0.010
+        policy.observe([0], lengths, None, measured, 0.002 * lengths[0])
+    assert chosen[0.9][0] == 4 and chosen[0.3][0] == 3
+    assert [n for n in chosen[0.9][-10:] if n] == [3] * len([n for n in chosen[0.9][-10:] if n]) != []
+    # (depth 4's scale stops where 4 drafts stopped paying: it moves only when they are verified)
+    assert c.ragged(1, 3, 3) == pytest.approx(0.010, rel=0.05) and c.ragged(1, 4, 4) > 0.011
+
+
 def test_acceptance_estimate_moves_from_the_prior_to_the_record():
     policy = exact_policy(cost(), gamma_max=3, prior=0.6)
     assert policy.alpha(0, 0) == pytest.approx(0.6)

@@ -23,7 +23,8 @@ time now spent.
 
 D and V come from a short profile at start-up (`profile_costs`, a few forwards per grid point,
 cached per model, device, dtype and thread count) interpolated linearly in rows and columns, and
-are corrected online by the ratio of measured to predicted stage times (an exponential average).
+are corrected online by the ratio of measured to predicted stage times (an exponential average;
+a verify pass's per batch size and depth once that depth has run: `CostModel.spec_scale`).
 α_i starts from the pair's running acceptance and follows the request's own record; a rate resting
 on few drafts gets an optimism bonus (`_bonus`), so a pessimistic prior is tried and corrected;
 every estimated gain is then scaled by accepted over expected drafts in recent speculative rounds
@@ -48,6 +49,7 @@ Rows at α = 0.95 next to rows at α = 0.1: the first four draft 2 tokens, the o
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +59,11 @@ from .tetris import best_budget, cumulative, select
 
 def _lerp(x: float, x0: float, x1: float, y0: float, y1: float) -> float:
     return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def rows_bucket(rows: int) -> int:
+    """Batch sizes in powers of two (1, 2-3, 4-7, ...), for what is learned per batch size."""
+    return max(1, rows).bit_length()
 
 
 @dataclass
@@ -86,6 +93,7 @@ class CostModel:
     token_s: float | None = None  # seconds a packed pass saves per token a row is fed below the longest
     catch_up_s: float | None = None  # seconds a draft step costs more per token it feeds a row beyond its newest
     verify_scale: float = 1.0  # measured / profiled, rounds that verify drafts
+    depth_scale: dict = field(default_factory=dict)  # (rows bucket, deepest row's drafts) -> the same, apart
     plain_scale: float = 1.0  # ... plain rounds (one token per row)
     draft_scale: float = 1.0
     _cached_b: int | None = field(default=None, repr=False, compare=False)
@@ -94,7 +102,7 @@ class CostModel:
 
     def verify(self, b: int, n: float) -> float:
         """A pass feeding every row n tokens."""
-        scale = self.plain_scale if n <= 1 else self.verify_scale
+        scale = self.plain_scale if n <= 1 else self.spec_scale(b, math.ceil(n) - 1)
         return max(1e-6, scale * self.profiled(b, n))
 
     def ragged(self, b: int, total: int, deepest: int) -> float:
@@ -102,7 +110,19 @@ class CostModel:
         if deepest == 0:
             return self.verify(b, 1)
         unscaled = self.profiled(b, 1 + deepest) - self.saving(b) * (b * deepest - total)
-        return max(1e-6, self.verify_scale * max(self.profiled(b, 1), unscaled))
+        return max(1e-6, self.spec_scale(b, deepest) * max(self.profiled(b, 1), unscaled))
+
+    def spec_scale(self, b: int, deepest: int) -> float:
+        """Measured / profiled for a pass whose longest row verifies `deepest` drafts: learned
+        apart per batch size (in powers of two) and depth once such passes ran, the scale of
+        all speculative rounds until then. One scale for every depth would take the profile's
+        shape as exact, and a short profile on a shared machine gets it wrong: on the EPYC at
+        batch 1 it read 13.5 ms at every depth (a slow first column, and a bigger pass never
+        costs less), where the rounds measured 11-12 ms up to 3 drafts and 13.5 ms at 4, so the
+        4th draft looked free. (A depth's scale moves only when such passes run: carried along
+        with the shared one instead, it fell whenever the plan, having learnt that a depth was
+        dear, ran the cheaper ones only, and the dear depth came back.)"""
+        return self.depth_scale.get((rows_bucket(b), deepest), self.verify_scale)
 
     def saving(self, b: int) -> float:
         """Seconds saved per token a row of a packed pass is not fed (see the class docstring)."""
@@ -150,11 +170,12 @@ class CostModel:
         b0, b1 = self.rows
         slope = (self.draft_s[b1] - self.draft_s[b0]) / (b1 - b0) if b1 != b0 else 0.0
         base, dscale = self.draft_s[b0] - slope * b0, self.draft_scale
-        plain, spec = max(1e-6, self.plain_scale * self.profiled(b, 1)), self.verify_scale
+        plain = max(1e-6, self.plain_scale * self.profiled(b, 1))
         table = self._columns.get(b)
         if table is None:  # unscaled V at every depth
             table = self._columns[b] = [self.profiled(b, 1 + d) for d in range(self.cols[-1])]
         last, save, floor = len(table) - 1, self.saving(b), table[0]
+        scales = [self.spec_scale(b, d) for d in range(len(table))]
 
         linear = packed and base + slope >= 0 and slope >= 0  # no step clamped at 0 (a step feeds >= 1)
 
@@ -168,7 +189,10 @@ class CostModel:
             deepest = len(fed)
             if total == 0:
                 return draft + plain
-            unscaled = table[deepest] if deepest <= last else self.profiled(b, 1 + deepest)
+            if deepest <= last:
+                unscaled, spec = table[deepest], scales[deepest]
+            else:
+                unscaled, spec = self.profiled(b, 1 + deepest), self.spec_scale(b, deepest)
             if packed:
                 unscaled = max(floor, unscaled - save * (b * deepest - total))
             return draft + max(1e-6, spec * unscaled) + spec_s
@@ -176,18 +200,26 @@ class CostModel:
         return seconds
 
     def correct(self, predicted_verify: float, measured_verify: float, predicted_draft: float,
-                measured_draft: float, plain: bool = False, weight: float = 0.1) -> None:
+                measured_draft: float, plain: bool = False, weight: float = 0.1, rows: int = 0,
+                deepest: int = 0) -> None:
         """Move the scales toward measured / predicted (an exponential average). Plain rounds and
         rounds that verify drafts keep separate verify scales: what a speculative round costs
         beyond its passes (ragged bookkeeping, proposals, the policy itself) is not a plain
         round's, and plain rounds, often the majority, would otherwise set the scale the
-        speculative ones are predicted by."""
+        speculative ones are predicted by. Given the round's `rows` and its longest row's
+        `deepest` drafts, a speculative round also moves that depth's own scale (`spec_scale`;
+        the shared one, what depths not yet run are predicted by, moves by the same round's
+        measured / profiled)."""
         if predicted_verify > 0 and measured_verify > 0:
-            factor = (measured_verify / predicted_verify) ** weight
             if plain:
-                self.plain_scale *= factor
+                self.plain_scale *= (measured_verify / predicted_verify) ** weight
+            elif rows and deepest:
+                used = self.spec_scale(rows, deepest)  # what predicted_verify was priced with
+                profiled = predicted_verify / used
+                self.verify_scale *= (measured_verify / (self.verify_scale * profiled)) ** weight
+                self.depth_scale[(rows_bucket(rows), deepest)] = used * (measured_verify / predicted_verify) ** weight
             else:
-                self.verify_scale *= factor
+                self.verify_scale *= (measured_verify / predicted_verify) ** weight
         if predicted_draft > 0 and measured_draft > 0:
             self.draft_scale *= (measured_draft / predicted_draft) ** weight
 
@@ -265,7 +297,7 @@ class SpecGuard:
 
     @staticmethod
     def bucket(rows: int) -> int:
-        return max(1, rows).bit_length()
+        return rows_bucket(rows)
 
     def penalty(self, rows: int) -> float:
         """Speculative rounds' time as a multiple of what the profile predicts, relative to plain
@@ -667,9 +699,11 @@ class AdaptivePolicy:
                 # they did, a round drafting after many plain ones would pay for all of them,
                 # speculation would measure slow, rounds would stay plain, and the next catch-up
                 # would be longer still (seen at batch 1: measured draft steps 2.5x the profile).
-                self.cost.correct(self.last["verify_s"], verify_s, 0.0, 0.0)
+                self.cost.correct(self.last["verify_s"], verify_s, 0.0, 0.0, rows=len(verified),
+                                  deepest=max(verified, default=0))
                 return
-            self.cost.correct(self.last["verify_s"], verify_s, self.last["draft_s"], draft_s, plain=not any(verified))
+            self.cost.correct(self.last["verify_s"], verify_s, self.last["draft_s"], draft_s, plain=not any(verified),
+                              rows=len(verified), deepest=max(verified, default=0))
             predicted = self.last["draft_s"] + self.last["verify_s"]
             if predicted > 0 and verify_s + draft_s > 0:
                 slow = (verify_s + draft_s) / predicted
