@@ -26,8 +26,10 @@ def model_for(arch: str, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
-# ([40, 3], 2): a 40-token row is past FOLD_TOKENS (the unfolded attention) and on kernels' ladder
-@pytest.mark.parametrize("lengths,extra", [([5, 1, 9, 3], 4), ([6, 6], 1), ([7], 3), ([40, 3], 2)])
+# ([40, 3], 2): a 40-token row is past FOLD_TOKENS (the unfolded attention) and on kernels' ladder;
+# ([40], 2): one whole prompt, attended as causal without a mask; ([7], 40): a later chunk of one, not
+@pytest.mark.parametrize("lengths,extra", [([5, 1, 9, 3], 4), ([6, 6], 1), ([7], 3), ([40, 3], 2), ([40], 2),
+                                           ([7], 40)])
 def test_lean_matches_transformers_modules(arch, lengths, extra):
     model = model_for(arch)
     assert lean_unsupported(model) is None
@@ -125,6 +127,38 @@ def test_packed_forward_equals_padded(arch, monkeypatch):
     for i, n in enumerate(lengths):
         torch.testing.assert_close(packed[0][i, :n], padded[0][i, :n], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed[1], padded[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_prefill_attention_by_row_equals_padded(arch, monkeypatch):
+    """Prefill chunks (more than ROW_ATTENTION_TOKENS columns) attend row by row: the same as the
+    padded layout, for rows fed from column 0 (causal over themselves) and rows continuing their
+    prompt (a later chunk, which reads its mask row), next to idle rows."""
+    from batchspec.core import forward as fw
+    from batchspec.core.rows import RowBatch, RowKV
+    from batchspec.core.runner import kv_shape
+
+    model = model_for(arch)
+    chunks = (([0, 0, 0], [40, 7, 0]), ([40, 7, 0], [36, 1, 50]))  # (starts, counts) of two passes
+
+    def run(threshold: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(fw, "ROW_ATTENTION_TOKENS", threshold)
+        gen = torch.Generator().manual_seed(0)
+        kv = RowKV(*kv_shape(model), 3, 128, model.dtype, model.device)
+        kv.make_clean([0, 1, 2], 128)
+        outs = []
+        for starts, counts in chunks:
+            batch = RowBatch(kv, [0, 1, 2], starts, counts)
+            assert batch.packed is not None  # (the path that attends by row)
+            positions, visible = row_inputs(starts, max(counts), batch.width, model.device)
+            ids = torch.randint(0, VOCAB, (3, max(counts)), generator=gen)
+            outs.append(LeanForward(model)(ids, positions, batch, visible))
+        return outs
+
+    by_row, padded = run(32), run(10**9)
+    for (_, counts), a, b in zip(chunks, by_row, padded):
+        for i, n in enumerate(counts):
+            torch.testing.assert_close(a[i, :n], b[i, :n], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (3, 1, 24), (2, 16, 24), (33, 24), (0, 24)])

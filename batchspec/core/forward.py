@@ -92,6 +92,7 @@ def lean_unsupported(model) -> str | None:
 
 
 FOLD_TOKENS = 32  # at most this many query tokens per row: `LeanForward._attend` folds GQA heads
+ROW_ATTENTION_TOKENS = 32  # a packed pass feeding more columns than this attends row by row (prefill)
 MM_EVERYWHERE = Plan.everywhere(mm=True)  # `matmul`'s default: W @ x^T up to kernels.COUNTS[-1] tokens
 
 
@@ -296,11 +297,37 @@ class LeanForward:
         b, hq, n, d = q.shape
         hk = keys.shape[1]
         if hq == hk or n > FOLD_TOKENS:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=self.scaling,
-                                                  enable_gqa=hq != hk)
+            # one row fed from column 0 (a whole prompt): its mask is the causal one, which SDPA
+            # runs ~30 % faster unmasked (a 300-token prompt of the bundled target, 2.4 -> 1.6 ms)
+            causal = b == 1 and keys.shape[2] == n and visible is not None
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=None if causal else visible,
+                                                  is_causal=causal, scale=self.scaling, enable_gqa=hq != hk)
         out = F.scaled_dot_product_attention(q.reshape(b, hk, hq // hk * n, d), keys, values, attn_mask=folded,
                                              scale=self.scaling)
         return out.view(b, hq, n, d)
+
+    def _attend_by_row(self, q: torch.Tensor, kv, index: int, visible) -> torch.Tensor:
+        """Attention of the packed queries q [C, Hq, D] (row by row, as `packed` orders them) ->
+        [C, Hq, D], one row at a time over its own keys: a prefill chunk mixes prompts of
+        different lengths, and attention over the padded [B, heads, n, T] layout costs every row
+        the longest row's n x T. Example, a chunk of 5 prompts of 303, 150, 120, 40 and 17 tokens:
+        padded, 5 x 303 x 303 query-key pairs; by row, 303² + 150² + ... (a quarter of that). A
+        row fed from column 0 is causal over itself; a later chunk of a prompt reads its mask row.
+        On the EPYC, the prefill of 64 bundled prompts at 32 rows took 0.79x the time (2.0 s against
+        2.5), at 8 rows 0.83x."""
+        slots, starts, counts = kv.row_spans
+        out, at = [], 0
+        for i, (start, count) in enumerate(zip(starts, counts)):
+            if count == 0:
+                continue
+            keys, values = kv.read_row(index, i)  # [1, Hk, start + count, D]
+            qi = q[at:at + count].transpose(0, 1)[None]  # [1, Hq, count, D]
+            mask = None if start == 0 else visible[i:i + 1, :, :count, :start + count]
+            a = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, is_causal=start == 0,
+                                               scale=self.scaling, enable_gqa=qi.shape[1] != keys.shape[1])
+            out.append(a[0].transpose(0, 1))  # [count, Hq, D]
+            at += count
+        return torch.cat(out)
 
     def _qkv(self, out: torch.Tensor, q_norm, k_norm, cos, sin):
         """The fused q/k/v output [..., (q + k + v heads) * D] -> q, k, v [..., heads, D], rotated."""
@@ -326,15 +353,20 @@ class LeanForward:
         cos, sin = cos[0], sin[0]  # [C, 1, head_dim]
         q_heads = self.heads[0]
         folded = self._fold_mask(visible, n)
+        by_row = n > ROW_ATTENTION_TOKENS and hasattr(kv, "read_row")
         for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):
             q, k, v = self._qkv(qkv(ln1(x)), q_norm, k_norm, cos, sin)  # [C, heads, head_dim]
             kv.write_packed(index, k, v)
-            keys, values = kv.read(index)  # [B, kv_heads, T, head_dim]
-            q_pad = x.new_zeros(batch * n, q_heads, self.head_dim)
-            q_pad[packed] = q
-            a = self._attend(q_pad.view(batch, n, q_heads, -1).transpose(1, 2), keys, values, visible,
-                             folded)  # [B, heads, n, D]
-            x = x + _linear(a.transpose(1, 2).reshape(batch * n, -1)[packed], o_proj, self.plan)
+            if by_row:
+                a = self._attend_by_row(q, kv, index, visible)  # [C, heads, D]
+                x = x + _linear(a.reshape(q.shape[0], -1), o_proj, self.plan)
+            else:
+                keys, values = kv.read(index)  # [B, kv_heads, T, head_dim]
+                q_pad = x.new_zeros(batch * n, q_heads, self.head_dim)
+                q_pad[packed] = q
+                a = self._attend(q_pad.view(batch, n, q_heads, -1).transpose(1, 2), keys, values, visible,
+                                 folded)  # [B, heads, n, D]
+                x = x + _linear(a.transpose(1, 2).reshape(batch * n, -1)[packed], o_proj, self.plan)
             gate, up = gate_up(ln2(x)).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, down, self.plan)
         if select is False:

@@ -139,6 +139,7 @@ class RowBatch(Cache):
         real = sum(counts)
         self.packed = self.rows * self.n + self.feed_cols if real <= PACK_SHARE * len(counts) * self.n else None
         self.start0, self.hi = starts[0], slots[0] + len(slots)
+        self.row_spans = (slots, starts, counts)  # for `read_row`
         super().__init__(layers=[_Layer(self, i) for i in range(kv.data.shape[0])])
 
     def write_packed(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -152,6 +153,14 @@ class RowBatch(Cache):
         if self.contiguous:
             return k_all[self.lo:self.hi, :, : self.width], v_all[self.lo:self.hi, :, : self.width]
         return k_all[self.slots, :, : self.width], v_all[self.slots, :, : self.width]
+
+    def read_row(self, layer: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch row i's keys, values [1, H, start + count, D] (after `write_packed`): views of the
+        buffer as wide as the row itself, not the batch."""
+        slots, starts, counts = self.row_spans
+        slot, width = slots[i], starts[i] + counts[i]
+        return (self.kv.data[layer, 0, slot:slot + 1, :, :width],
+                self.kv.data[layer, 1, slot:slot + 1, :, :width])
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
         """keys, values [b, H, n, D] -> the layer's keys, values [b, H, T, D] after writing."""
