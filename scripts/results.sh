@@ -133,3 +133,12 @@ for w in echo plain; do
     --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma "$g" --workload "$w" \
     --json "docs/results/wave15_adaptive_$w.json"
 done
+# Wave 16: prefill chunks attend row by row; verify costs learnt per batch size and depth.
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 5 --json docs/results/wave16_adaptive.json
+for w in echo plain; do
+  g=8; [ "$w" = plain ] && g=4
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
+    --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma "$g" --workload "$w" \
+    --json "docs/results/wave16_adaptive_$w.json"
+done

@@ -119,9 +119,10 @@ class CostModel:
         shape as exact, and a short profile on a shared machine gets it wrong: on the EPYC at
         batch 1 it read 13.5 ms at every depth (a slow first column, and a bigger pass never
         costs less), where the rounds measured 11-12 ms up to 3 drafts and 13.5 ms at 4, so the
-        4th draft looked free. (A depth's scale moves only when such passes run: carried along
-        with the shared one instead, it fell whenever the plan, having learnt that a depth was
-        dear, ran the cheaper ones only, and the dear depth came back.)"""
+        4th draft looked free. A depth's scale moves only when such passes run (carried along
+        with the shared one, which follows the mix of depths run, it would fall once the plan,
+        having learnt that a depth was dear, ran only the cheaper ones, and the dear depth would
+        come back)."""
         return self.depth_scale.get((rows_bucket(b), deepest), self.verify_scale)
 
     def saving(self, b: int) -> float:
