@@ -78,6 +78,14 @@ echo_cells() {  # NAME -> docs/results/NAME_adaptive_echo.json
     --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
     --json "docs/results/$1_adaptive_echo.json"
 }
+all_drafters() {  # NAME REPEATS -> docs/results/NAME_adaptive_{echo,plain}.json
+  for w in echo plain; do
+    g=8; [ "$w" = plain ] && g=4
+    batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
+      --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat "$2" --gamma "$g" --workload "$w" \
+      --json "docs/results/$1_adaptive_$w.json"
+  done
+}
 # Wave 7: the hybrid's gate weighs the model against the rounds it replaces; speed-ups paired per repeat.
 for w in plain twice; do
   g=8; [ "$w" = plain ] && g=4
@@ -100,12 +108,7 @@ adaptive_table wave9
 echo_cells wave9
 # Wave 10 (the Xeon): a draft model's catch-up shared by the rounds it will draft.
 adaptive_table wave10
-for w in echo plain; do
-  g=$([ "$w" = echo ] && echo 8 || echo 4)
-  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
-    --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma "$g" --workload "$w" \
-    --json "docs/results/wave10_adaptive_$w.json"
-done
+all_drafters wave10 3
 # Wave 11 (the AMD EPYC): kernels timed over every matrix, speculative rounds charged their replanning,
 # serve's rounds on the main thread.
 adaptive_table wave11
@@ -123,22 +126,13 @@ echo_cells wave13
 # Wave 14: counts above 32 tokens planned too (a ladder 40..256, core/kernels.py).
 adaptive_table wave14
 echo_cells wave14
-# Wave 15: the hybrid's gate charged its share of the draft model's catch-ups; five repeats, and
-# every drafter on both workloads.
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 5 --json docs/results/wave15_adaptive.json
-for w in echo plain; do
-  g=8; [ "$w" = plain ] && g=4
-  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
-    --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma "$g" --workload "$w" \
-    --json "docs/results/wave15_adaptive_$w.json"
-done
+# From wave 15 on: the same table with five repeats, and every drafter on both workloads.
+five_repeats() {  # NAME -> docs/results/NAME_adaptive{,_echo,_plain}.json
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+    --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 5 --json "docs/results/$1_adaptive.json"
+  all_drafters "$1" 5
+}
+# Wave 15: the hybrid's gate charged its share of the draft model's catch-ups.
+five_repeats wave15
 # Wave 16: prefill chunks attend row by row; verify costs learnt per batch size and depth.
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 5 --json docs/results/wave16_adaptive.json
-for w in echo plain; do
-  g=8; [ "$w" = plain ] && g=4
-  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
-    --adaptive on --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma "$g" --workload "$w" \
-    --json "docs/results/wave16_adaptive_$w.json"
-done
+five_repeats wave16
