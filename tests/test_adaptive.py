@@ -244,6 +244,20 @@ def test_each_depth_learns_its_own_cost():
     assert c.ragged(1, 3, 3) == pytest.approx(0.010, rel=0.05) and c.ragged(1, 4, 4) > 0.011
 
 
+def test_a_depth_not_run_lately_follows_the_shared_scale():
+    """A profile that reads every pass twice what it costs. One round verifies 4 drafts early, at
+    the profile's price (a busy moment); then only 2-draft rounds run, at half the profile. The
+    4-draft pass is then priced from the shared scale times what it measured relative to it, near
+    half the profile too: kept absolute, its one early round would price it at the profile's
+    20 ms for good, and the plan would never verify 4 again to learn otherwise."""
+    c = CostModel(rows=(1, 2), cols=(1, 5), verify_s={(1, 1): 0.020, (1, 5): 0.020, (2, 1): 0.020, (2, 5): 0.020},
+                  draft_s={1: 0.002, 2: 0.002})
+    c.correct(c.ragged(1, 4, 4), 0.020, 0.0, 0.0, rows=1, deepest=4)
+    for _ in range(100):
+        c.correct(c.ragged(1, 2, 2), 0.010, 0.0, 0.0, rows=1, deepest=2)
+    assert c.ragged(1, 2, 2) == pytest.approx(0.010, rel=0.02)
+    assert c.ragged(1, 4, 4) < 0.012
+
 def test_acceptance_estimate_moves_from_the_prior_to_the_record():
     policy = exact_policy(cost(), gamma_max=3, prior=0.6)
     assert policy.alpha(0, 0) == pytest.approx(0.6)

@@ -24,7 +24,7 @@ time now spent.
 D and V come from a short profile at start-up (`profile_costs`, a few forwards per grid point,
 cached per model, device, dtype and thread count) interpolated linearly in rows and columns, and
 are corrected online by the ratio of measured to predicted stage times (an exponential average;
-a verify pass's per batch size and depth once that depth has run: `CostModel.spec_scale`).
+a verify pass's also per batch size and depth, relative to the rest: `CostModel.spec_scale`).
 α_i starts from the pair's running acceptance and follows the request's own record; a rate resting
 on few drafts gets an optimism bonus (`_bonus`), so a pessimistic prior is tried and corrected;
 every estimated gain is then scaled by accepted over expected drafts in recent speculative rounds
@@ -93,7 +93,7 @@ class CostModel:
     token_s: float | None = None  # seconds a packed pass saves per token a row is fed below the longest
     catch_up_s: float | None = None  # seconds a draft step costs more per token it feeds a row beyond its newest
     verify_scale: float = 1.0  # measured / profiled, rounds that verify drafts
-    depth_scale: dict = field(default_factory=dict)  # (rows bucket, deepest row's drafts) -> the same, apart
+    depth_scale: dict = field(default_factory=dict)  # (rows bucket, deepest row's drafts) -> the same over verify_scale
     plain_scale: float = 1.0  # ... plain rounds (one token per row)
     draft_scale: float = 1.0
     _cached_b: int | None = field(default=None, repr=False, compare=False)
@@ -113,17 +113,18 @@ class CostModel:
         return max(1e-6, self.spec_scale(b, deepest) * max(self.profiled(b, 1), unscaled))
 
     def spec_scale(self, b: int, deepest: int) -> float:
-        """Measured / profiled for a pass whose longest row verifies `deepest` drafts: learned
-        apart per batch size (in powers of two) and depth once such passes ran, the scale of
-        all speculative rounds until then. One scale for every depth would take the profile's
-        shape as exact, and a short profile on a shared machine gets it wrong: on the EPYC at
-        batch 1 it read 13.5 ms at every depth (a slow first column, and a bigger pass never
-        costs less), where the rounds measured 11-12 ms up to 3 drafts and 13.5 ms at 4, so the
-        4th draft looked free. A depth's scale moves only when such passes run (carried along
-        with the shared one, which follows the mix of depths run, it would fall once the plan,
-        having learnt that a depth was dear, ran only the cheaper ones, and the dear depth would
-        come back)."""
-        return self.depth_scale.get((rows_bucket(b), deepest), self.verify_scale)
+        """Measured / profiled for a pass whose longest row verifies `deepest` drafts: the scale of
+        all speculative rounds times what such passes (per batch size, in powers of two, and
+        depth) measured relative to it, 1 until they ran. One scale for every depth would take
+        the profile's shape as exact, and a short profile on a shared machine gets it wrong: on
+        the EPYC at batch 1 it read 13.5 ms at every depth (a slow first column, and a bigger
+        pass never costs less), where the rounds measured 11-12 ms up to 3 drafts and 13.5 ms at
+        4, so the 4th draft looked free. Relative, not absolute: a depth's own record moves only
+        when such passes run, and kept absolute it went stale while the shared scale moved (batch
+        2: depths 1, 3 and 4 learnt at 0.9-1.0 of a profile that read twice the real cost, then
+        rarely run again, while the shared scale fell to 0.63; the plan saw V(2, 2) at 20 ms
+        against 11 for V(2, 3), and drafted almost only 2)."""
+        return self.verify_scale * self.depth_scale.get((rows_bucket(b), deepest), 1.0)
 
     def saving(self, b: int) -> float:
         """Seconds saved per token a row of a packed pass is not fed (see the class docstring)."""
@@ -208,17 +209,18 @@ class CostModel:
         beyond its passes (ragged bookkeeping, proposals, the policy itself) is not a plain
         round's, and plain rounds, often the majority, would otherwise set the scale the
         speculative ones are predicted by. Given the round's `rows` and its longest row's
-        `deepest` drafts, a speculative round also moves that depth's own scale (`spec_scale`;
-        the shared one, what depths not yet run are predicted by, moves by the same round's
-        measured / profiled)."""
+        `deepest` drafts, a speculative round moves the shared scale by its measured / profiled
+        and that depth's relative one by what is left (`spec_scale`)."""
         if predicted_verify > 0 and measured_verify > 0:
             if plain:
                 self.plain_scale *= (measured_verify / predicted_verify) ** weight
             elif rows and deepest:
-                used = self.spec_scale(rows, deepest)  # what predicted_verify was priced with
-                profiled = predicted_verify / used
+                key = (rows_bucket(rows), deepest)
+                relative = self.depth_scale.get(key, 1.0)
+                profiled = predicted_verify / (self.verify_scale * relative)  # what it was priced from
                 self.verify_scale *= (measured_verify / (self.verify_scale * profiled)) ** weight
-                self.depth_scale[(rows_bucket(rows), deepest)] = used * (measured_verify / predicted_verify) ** weight
+                now = self.spec_scale(rows, deepest) * profiled  # the shared scale moved, the depth's not yet
+                self.depth_scale[key] = relative * (measured_verify / now) ** weight
             else:
                 self.verify_scale *= (measured_verify / predicted_verify) ** weight
         if predicted_draft > 0 and measured_draft > 0:
