@@ -136,3 +136,5 @@ five_repeats() {  # NAME -> docs/results/NAME_adaptive{,_echo,_plain}.json
 five_repeats wave15
 # Wave 16: prefill chunks attend row by row; verify costs learnt per batch size and depth.
 five_repeats wave16
+# Wave 17: a depth's verify scale relative to the shared one; profiles keep the fastest repeat.
+five_repeats wave17
