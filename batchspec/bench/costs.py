@@ -35,7 +35,7 @@ def step_time(model, batch: int, context: int, tokens: int, repeats: int = 7, fo
     tokens and every other row `tokens` (a ragged pass). The fastest of `repeats`: other work on
     the machine only ever adds time, and a profile is cached (`profile_costs`), so one busy moment
     would otherwise stay in it (the median of 5 once read 20.8 ms for a 2-row step that runs in
-    10.5, and 13.5 ms at every depth at batch 1)."""
+    10-11, and 13.5 ms at every depth at batch 1)."""
     counts = [tokens] * batch if first is None else [first] + [tokens] * (batch - 1)
     tokens = max(counts)
     run = make_forward(model, forward)

@@ -123,7 +123,7 @@ class CostModel:
         when such passes run, and kept absolute it went stale while the shared scale moved (batch
         2: depths 1, 3 and 4 learnt at 0.9-1.0 of a profile that read twice the real cost, then
         rarely run again, while the shared scale fell to 0.63; the plan saw V(2, 2) at 20 ms
-        against 11 for V(2, 3), and drafted almost only 2). The price: the shared scale follows
+        against 14 for V(2, 3), and drafted almost only 2). The price: the shared scale follows
         the mix of depths run, so once a depth learnt dear stops running, the cheaper ones pull
         the shared scale, and its price, down until it runs again and is measured again."""
         return self.verify_scale * self.depth_scale.get((rows_bucket(b), deepest), 1.0)
