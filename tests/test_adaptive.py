@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -546,8 +547,9 @@ def test_held_rows_draft_whatever_the_plan_and_the_others_are_planned_around_the
 
 def test_step_cost_profiles_are_kept_on_disk(tmp_path, monkeypatch):
     """A profile is measured once per machine (`batchspec/cache.py`): with the in-memory cache
-    emptied (a new process), it is read back from `BATCHSPEC_CACHE`, the same numbers; an
-    unreadable file is measured again; `off` writes nothing."""
+    emptied (a new process), it is read back from `BATCHSPEC_CACHE`, the same numbers, after one
+    pass per row count is timed to check it; one that says passes cost far more than they do
+    (taken at a busy moment) is measured again, as is an unreadable file; `off` writes nothing."""
     from batchspec.bench import costs
 
     p = pair("llama", "perturbed")
@@ -564,11 +566,20 @@ def test_step_cost_profiles_are_kept_on_disk(tmp_path, monkeypatch):
     measured = len(calls)
     files = list((tmp_path / "profiles").iterdir())
     assert measured > 0 and len(files) == 1 and first["token_s"] is not None
-    assert profile() == first and len(calls) == measured  # read back, nothing measured
+    monkeypatch.setattr(costs, "STALE", 0.0)  # (a one-sample profile of a tiny model is noise itself)
+    assert profile() == first and len(calls) == measured + 2  # read back: only the check ran
+    monkeypatch.setattr(costs, "STALE", 0.7)
+    busy = json.loads(files[0].read_text())
+    busy["verify_s"] = [[b, n, 1000 * s] for b, n, s in busy["verify_s"]]
+    files[0].write_text(json.dumps(busy))
+    again = profile()
+    # (the check stops at the first pass found faster)
+    assert len(calls) == 2 * measured + 3 and again["verify_s"][(1, 1)] < 10 * first["verify_s"][(1, 1)]
+    assert json.loads(files[0].read_text())["verify_s"] != busy["verify_s"]  # the new one is kept
     files[0].write_text("{not json")
     profile()
-    assert len(calls) == 2 * measured
+    assert len(calls) == 3 * measured + 3
     files[0].unlink()
     monkeypatch.setenv("BATCHSPEC_CACHE", "off")
     profile()
-    assert len(calls) == 3 * measured and not list((tmp_path / "profiles").iterdir())
+    assert len(calls) == 4 * measured + 3 and not list((tmp_path / "profiles").iterdir())

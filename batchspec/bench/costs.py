@@ -70,6 +70,7 @@ def step_costs(target, draft, batch: int, context: int, gamma: int, forward: str
 
 
 _PROFILES: dict[tuple, dict] = {}
+STALE = 0.7  # a cached profile is measured again when a one-token pass now takes less than this share of it
 CATCH_UP = 32  # tokens one row is fed at once to price a drafter's catch-up (`catch_up_s`)
 MODEL_FREE_STEP_S = 30e-6  # a model-free drafter's Python work per row per drafted token (scripts/drafter_cost.py)
 
@@ -81,7 +82,8 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
     pass at the larger rows and the last column saves per token its other rows are not fed (one
     row fed them all, the rest 1 each). A few forwards per grid point; cached per model, device,
     dtype, thread count, grid and kernel choice (`core/kernels.py`), in memory and on disk
-    (`batchspec/cache.py`). Without a draft model (a model-free drafter) a draft step is priced at
+    (`batchspec/cache.py`); one read from disk is measured again if it was taken at a busy moment
+    (`_stale`). Without a draft model (a model-free drafter) a draft step is priced at
     MODEL_FREE_STEP_S per row, corrected online.
     `catch_up_s`: what a draft step costs more per token it feeds one row beyond its newest (a
     drafter catching up on tokens it did not see: CATCH_UP tokens at once), far less than a row's
@@ -97,7 +99,7 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
                                                        "forward": forward, "repeats": repeats, "estimator": "min",
                                                        "catch_up": CATCH_UP, "kernels": kernels})
         cached = cache.load(path)
-        if cached is not None:
+        if cached is not None and not _stale(cached, target, rows, context, forward):
             _PROFILES[key] = cached
     if key not in _PROFILES:
         verify = {(b, n): step_time(target, b, context, n, repeats, forward) for b in rows for n in cols}
@@ -118,3 +120,13 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
         _PROFILES[key] = {"verify_s": verify, "token_s": token_s, "draft_s": draft_s, "catch_up_s": catch_up_s}
         cache.save(path, _PROFILES[key])
     return _PROFILES[key]
+
+
+def _stale(profile: dict, target, rows: tuple[int, ...], context: int, forward: str) -> bool:
+    """Whether a profile read from disk was taken at a busy moment: a one-token pass at each of
+    its row counts, timed now (3 repeats, a few ms), runs in less than STALE of what it says. Only
+    that way round: a pass timed slower now says the machine is busy now, not that the profile is
+    wrong, and measuring again then would cache the busy moment."""
+    said = profile["verify_s"]
+    return any(step_time(target, b, context, 1, 3, forward) < STALE * said[(b, 1)] for b in rows if (b, 1) in said)
+
