@@ -124,7 +124,7 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
 
 def _stale(profile: dict, target, rows: tuple[int, ...], context: int, forward: str) -> bool:
     """Whether a profile read from disk was taken at a busy moment: a one-token pass at each of
-    its row counts, timed now (3 repeats, a few ms), runs in less than STALE of what it says. Only
+    its row counts, timed now (3 repeats after 2 warm-ups), runs in less than STALE of what it says. Only
     that way round: a pass timed slower now says the machine is busy now, not that the profile is
     wrong, and measuring again then would cache the busy moment."""
     said = profile["verify_s"]
