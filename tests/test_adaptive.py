@@ -134,6 +134,25 @@ def test_index_share_follows_the_rounds_left():
     assert AdaptivePolicy.index_share(ending) == 1.0
 
 
+def test_a_row_that_would_leave_its_cohort_is_charged_a_share_of_a_prefill_forward():
+    """While requests wait, rows with as many tokens left end together and share one refill; a
+    row that gets ahead needs a forward of its own: V(1, 1) x (1 - 1/m) over its rounds left
+    (2 tokens a round assumed). The charge can keep a round plain that would speculate."""
+    def req(remaining):
+        return SimpleNamespace(stats=SimpleNamespace(rounds=0), num_generated=0, remaining=remaining)
+
+    policy = exact_policy(cost(), gamma_max=3, margin=1.0)
+    reqs = [req(10), req(10), req(10), req(5)]
+    one = policy.cost.verify(1, 1)
+    assert policy.split_s(reqs, refilling=True) == pytest.approx([one * (2 / 3) / 5] * 3 + [0.0])
+    assert policy.split_s(reqs, refilling=False) is None  # draining: no refill to share
+    assert policy.split_s([req(10), req(9)], refilling=True) is None  # no cohort
+    assert policy.plan([0.6] * 8, [3] * 8) == [1] * 8
+    assert policy.plan([0.6] * 8, [3] * 8, split_s=[0.004] * 8) == [0] * 8
+    assert policy.may_speculate([0.6] * 8, [3] * 8) and not policy.may_speculate([0.6] * 8, [3] * 8,
+                                                                                split_s=[0.004] * 8)
+
+
 def test_gain_scale_corrects_the_estimates_by_what_was_accepted():
     """Accepted over expected drafts, averaged over speculative rounds, scales every estimated gain
     (within [0.5, 2], n rounds weighed against 8 at 1): estimates that fall short of what is

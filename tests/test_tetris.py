@@ -85,6 +85,26 @@ def test_best_budget_feeds_no_step_for_a_row_a_lookup_drafts():
     assert seen[:6] == [(0, []), (1, [0]), (2, [0, 0]), (3, [1, 0]), (4, [1, 0, 0]), (5, [1, 1, 0])]
 
 
+def test_a_row_charged_for_drafting_at_all_drafts_only_if_its_gains_pay_the_charge():
+    """row_s[i]: seconds a round is charged once row i verifies any draft (a cohort row's split,
+    sched/adaptive.py). A round costs 10 + 1 per draft: without charges the EXAMPLE takes
+    [3, 1]; charging row 1 12 leaves it plain, [3, 0] (3.98 tokens / 13, where [3, 1] would be
+    4.48 / 26); charging row 0 12 leaves row 0 plain, [0, 2]. Each is the best of every choice."""
+    def seconds(total, fed):
+        return 10 + total
+
+    def best(row_s):
+        return max(((a, b) for a in range(4) for b in range(4)),
+                   key=lambda ab: (2 + sum(EXAMPLE[0][:ab[0]]) + sum(EXAMPLE[1][:ab[1]]))
+                   / (10 + sum(ab) + sum(c for c, n in zip(row_s, ab) if n)))
+
+    assert best_budget(EXAMPLE, seconds, 2)[0] == [3, 1] == list(best([0, 0]))
+    assert best_budget(EXAMPLE, seconds, 2, row_s=[0, 12])[0] == [3, 0] == list(best([0, 12]))
+    assert best_budget(EXAMPLE, seconds, 2, row_s=[12, 0])[0] == [0, 2] == list(best([12, 0]))
+    lengths, rate = best_budget(EXAMPLE, seconds, 2, row_s=[100, 100])
+    assert lengths == [0, 0] and rate == pytest.approx(2 / 10)
+
+
 @settings(max_examples=200, deadline=None)
 @given(rates=rows, budget=st.integers(0, 10), data=st.data())
 def test_held_drafts_are_taken_first_and_the_rest_is_optimal(rates, budget, data):

@@ -69,6 +69,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         if engine.num_waiting() == 0:  # draining: the batch lasts as long as its longest request
             most = max(r.remaining for r in batch)
             weights = [r.remaining / most for r in batch]
+        # refilling: a row that ends apart from its cohort costs a prefill forward of its own
+        split = policy.split_s(batch, refilling=weights is None)
         before, planning = dict(timer.totals), time.perf_counter()
         first_fed = None
         if engine.draft_runner is not None:  # the draft model first catches up on what it has not seen:
@@ -82,7 +84,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             index_s = engine.drafter.index_s(batch, [policy.index_share(r) for r in batch])
         # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
         # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
-        if hasattr(engine.drafter, "lookahead") and policy.may_speculate(alphas, lengths, weights, held, index_s):
+        lookups = hasattr(engine.drafter, "lookahead")
+        if lookups and policy.may_speculate(alphas, lengths, weights, held, index_s, split):
             with timer.stage("draft"):
                 looked = engine.drafter.lookahead(batch, lengths)
             lengths = [n if f is None else min(n, f) for n, f in zip(lengths, looked)]
@@ -93,7 +96,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         # lookup found anything: that changes from round to round
         keep = looked is None or any(lengths)
         lengths = policy.plan(alphas, lengths, weights, first_fed, key=key if keep else None, held=held,
-                              index_s=index_s if looked is None else 0.0)  # (done by the lookahead)
+                              index_s=index_s if looked is None else 0.0,  # (done by the lookahead)
+                              split_s=split)
         policy.planned(len(batch), time.perf_counter() - planning)
     g = max(lengths)
 
@@ -110,7 +114,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             if proposal.confidence is not None:  # greedy rows only (see sched/adaptive.py); NaN: unknown
                 confidence = [c if r.params.greedy and not math.isnan(c[0]) else None
                               for r, c in zip(batch, proposal.confidence.tolist())]
-            lengths = policy.prune(alphas, lengths, confidence, timer.since(before)["draft"], weights, held)
+            lengths = policy.prune(alphas, lengths, confidence, timer.since(before)["draft"], weights, held, split)
         drafts = drafts[:, :max(lengths)]
         q = q[:, :drafts.shape[1]] if q is not None else None
     else:

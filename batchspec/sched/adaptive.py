@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -476,6 +477,28 @@ class AdaptivePolicy:
         model_share = (s.first_drafted - s.looked_up + 1) / (s.first_drafted + 1)
         return min(1.0, 1.0 / (AdaptivePolicy.rounds_left(req) * model_share))
 
+    def split_s(self, reqs: list, refilling: bool) -> list[float] | None:
+        """Seconds a round is charged per row for verifying drafts of that row while it is in a
+        cohort: rows with as many tokens left (admitted together, advanced alike) end in the same
+        round and are refilled by one prefill forward; a row that gets ahead ends apart, and its
+        refill is a forward of its own. Charged only while requests wait to be admitted
+        (`refilling`): the fixed cost of a forward (one row, one token) times the share of the
+        cohort's prefill forward the row no longer shares, 1 - 1/m for a cohort of m, spread over
+        the rounds the row has left (`rounds_left`): leaving the cohort is paid once, and buys
+        speculation in every round after it, so it pays where speculation pays over the row's
+        life, not where it pays in this round alone (which kept cohorts plain at batch 4).
+
+        Example, 16 rows, a one-row pass 11 ms: a row in a cohort of 4 with 16 rounds left is
+        charged 11 x 3/4 / 16 = 0.5 ms, a third of what a token is worth at 16 rows (a plain
+        round ~25 ms); with 2 rounds left, 4 ms. A row alone, or any row once the queue is
+        empty, is charged nothing."""
+        if self.cost is None or not refilling:
+            return None
+        sizes = Counter(r.remaining for r in reqs)
+        one = self.cost.verify(1, 1)
+        out = [one * (1 - 1 / sizes[r.remaining]) / self.rounds_left(r) for r in reqs]
+        return out if any(out) else None
+
     @staticmethod
     def _fed(lengths: list[int], first_fed: list[float] | None) -> list[float]:
         """Tokens the draft step at each depth feeds (see `tetris.best_budget`: first_fed[i] = 0
@@ -490,7 +513,7 @@ class AdaptivePolicy:
     # ------------------------------------------------------------------ decisions
     def plan(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
              first_fed: list[float] | None = None, key: tuple | None = None,
-             held: list[int] | None = None, index_s: float = 0.0) -> list[int]:
+             held: list[int] | None = None, index_s: float = 0.0, split_s: list[float] | None = None) -> list[int]:
         """How many tokens each row drafts this round (row i at most caps[i]). weights[i] (default
         1) is what a token of row i is worth: when nothing waits for a row, the batch lasts as long
         as its longest request, so the round passes weigh rows by the work they have left; a row
@@ -502,13 +525,14 @@ class AdaptivePolicy:
         depend on their batch: see `decode/round.py`); a round with held drafts is speculative
         anyway, so the plan only chooses what the other rows add to it. index_s: seconds a
         lookup drafter would index before drafting (its share: `LookupDrafter.index_s`), charged
-        to a speculative round."""
+        to a speculative round. split_s[i] (default 0): seconds charged if row i verifies a draft
+        (see `split_s`)."""
         if self.cost is None:
             return list(caps)
         b = len(caps)
         if self.guard.plain_due(b) and not any(held or ()):
             return self.plain(b)
-        lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed, held, index_s)
+        lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed, held, index_s, split_s)
         if blocked:
             self.guard.kept_plain(b)
         self._memo = [key, 0, blocked] if key is not None and not any(lengths) else None
@@ -576,7 +600,7 @@ class AdaptivePolicy:
 
     def _best_lengths(self, alphas: list[float], caps: list[int], weights: list[float] | None,
                       first_fed: list[float] | None, held: list[int] | None = None,
-                      index_s: float = 0.0) -> tuple[list[int], bool]:
+                      index_s: float = 0.0, split_s: list[float] | None = None) -> tuple[list[int], bool]:
         """`plan`'s decision, without recording it: the lengths, and whether they are all 0 only
         because of the guard's penalty (a speculative round's predicted time times the penalty:
         the same factor for every way of speculating, so the best of them stays the best)."""
@@ -587,7 +611,7 @@ class AdaptivePolicy:
         b = len(caps)
         # a speculative round is planned again next round; a plain plan stands a while
         seconds = self.cost.round_seconds(b, self.packed, spec_s=self.replan_s(b) + index_s)
-        lengths, rate = best_budget(self._capped(gains, held), seconds, sum(weights), first_fed, held)
+        lengths, rate = best_budget(self._capped(gains, held), seconds, sum(weights), first_fed, held, split_s)
         if any(held or ()):  # no plain round to weigh it against
             return lengths, False
         plain_rate = self.margin * sum(weights) / self.cost.verify(b, 1)
@@ -598,7 +622,8 @@ class AdaptivePolicy:
         return lengths, False
 
     def prune(self, alphas: list[float], lengths: list[int], confidence: list[list[float] | None] | None,
-              draft_spent_s: float, weights: list[float] | None = None, held: list[int] | None = None) -> list[int]:
+              draft_spent_s: float, weights: list[float] | None = None, held: list[int] | None = None,
+              split_s: list[float] | None = None) -> list[int]:
         """Which drafted tokens to verify: a prefix of lengths[i] per row (TETRIS). confidence[i]
         is row i's q(d_j), given only for greedy rows: for a sampled row, choosing whether to
         verify d_j by its own q(d_j) would bias the output (q = (0.9, 0.1) over {a, b}, p = (0.5,
@@ -619,7 +644,7 @@ class AdaptivePolicy:
         if self.cost is None:
             return select(gains, self.budget, held)
         seconds = self.cost.round_seconds(b, self.packed, drafted_s=draft_spent_s)
-        chosen, _ = best_budget(self._capped(gains, held), seconds, sum(weights), held=held)
+        chosen, _ = best_budget(self._capped(gains, held), seconds, sum(weights), held=held, row_s=split_s)
         if self.last.get("rows") == b:
             self.last["verify_s"] = self.verify_s(b, sum(chosen), max(chosen, default=0))
             self.last["expected"] = sum(sum(g[:n]) for g, n in zip(expected, chosen))  # (unscaled)
@@ -662,14 +687,14 @@ class AdaptivePolicy:
         return [g[:n] for g, n in zip(gains, lengths)]
 
     def may_speculate(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
-                      held: list[int] | None = None, index_s: float = 0.0) -> bool:
+                      held: list[int] | None = None, index_s: float = 0.0, split_s: list[float] | None = None) -> bool:
         """Whether `plan` could speculate if no row's drafting cost a draft step (an upper bound: a
         hybrid drafter's lookups, which bound lengths and make rows free, cost time of their own,
         so they are done only when they can change a plain plan), the indexing `index_s` charged
         as in `plan`."""
         if self.cost is None or any(held or ()):
             return True
-        return any(self._best_lengths(alphas, caps, weights, [0.0] * len(caps), held, index_s)[0])
+        return any(self._best_lengths(alphas, caps, weights, [0.0] * len(caps), held, index_s, split_s)[0])
 
     def speculates(self, rows: int) -> bool:
         """Whether a batch of `rows` fresh requests would draft at all (else the draft model's
