@@ -127,9 +127,12 @@ echo_cells wave13
 adaptive_table wave14
 echo_cells wave14
 # From wave 15 on: the same table with five repeats, and every drafter on both workloads.
-five_repeats() {  # NAME -> docs/results/NAME_adaptive{,_echo,_plain}.json
+adaptive_five() {  # NAME -> docs/results/NAME_adaptive.json
   batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
     --adaptive off,on --peers hf --num-prompts 64 --max-new-tokens 32 --repeat 5 --json "docs/results/$1_adaptive.json"
+}
+five_repeats() {  # NAME -> docs/results/NAME_adaptive{,_echo,_plain}.json
+  adaptive_five "$1"
   all_drafters "$1" 5
 }
 # Wave 15: the hybrid's gate charged its share of the draft model's catch-ups.
@@ -138,3 +141,6 @@ five_repeats wave15
 five_repeats wave16
 # Wave 17: a depth's verify scale relative to the shared one; profiles keep the fastest repeat.
 five_repeats wave17
+# Wave 18: a row that would leave its cohort while requests wait is charged its share of a prefill
+# forward (issue 19's table only; the drafter tables are wave 17's).
+adaptive_five wave18

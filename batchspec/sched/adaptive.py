@@ -34,7 +34,9 @@ row has its catch-up priced (`first_fed`); the round that does the catch-up is t
 the draft scale and the guard (a one-off, not what speculating costs); a lookup drafter's catch-up
 on tokens no round looked up is taken out of the round's draft time the same way (`run_round`,
 `LookupDrafter.catch_up_s`). A row a hybrid drafter's
-lookup drafts costs no draft step (first_fed 0; `drafters/hybrid.py`). Plain and speculative
+lookup drafts costs no draft step (first_fed 0; `drafters/hybrid.py`). While requests wait, a row
+that shares its tokens left with others (they end together and share one refill) is charged a
+share of the prefill forward it would need alone if it got ahead (`split_s`). Plain and speculative
 rounds are timed whole and corrected apart, and a `SpecGuard` corrects per batch size what the
 global scales miss: where speculative rounds take longer than predicted relative to plain ones,
 speculating must be predicted that much faster (with rare explorations).
