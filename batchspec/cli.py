@@ -365,6 +365,8 @@ def bench(
                                                         "24 (drafts verified per round) or 2x (2 x batch size)"),
     peers: str = typer.Option("", "--peers", help="'hf' adds transformers generate / assisted generation"),
     repeat: int = typer.Option(1, "--repeat", help="Timed rounds per cell (interleaved); medians are reported"),
+    twin: bool = typer.Option(False, "--twin", help="Also run a second, identical autoregressive engine per batch "
+                                                    "size: its speed-up over the first is the run's noise floor"),
     temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
     window: str = typer.Option("4x", "--window", help="exspec windows, comma-separated: 64 = 64 sequences, "
                                                      "4x = 4 x batch size"),
@@ -442,7 +444,7 @@ def bench(
             report = run_bench(pair, ids, params, methods=method_list, batch_sizes=sizes, gammas=gammas,
                                drafters=drafter_list, peers=peers == "hf", repeat=repeat, windows=windows,
                                forwards=forward_list, refills=refills, adaptives=[a == "on" for a in adaptives],
-                               budgets=budgets,
+                               budgets=budgets, twin=twin,
                                engine_options=options,
                                sort_by_length=sort_by_length, profile=profile, progress=step)
     except ValueError as exc:

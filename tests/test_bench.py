@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import doctest
 import json
 import math
 import statistics
@@ -11,7 +12,9 @@ from typer.testing import CliRunner
 
 from batchspec import SamplingParams, load_pair
 from batchspec.bench import Cell, ideal_speedup, markdown_table, plan, run_bench, summarize
+from batchspec.bench import report as report_module
 from batchspec.bench.peers import count_tokens
+from batchspec.bench.report import noise_floor
 from batchspec.bench.runner import Run
 from batchspec.cli import app
 from batchspec.harness import check_reference_against_hf, reference_outputs
@@ -93,6 +96,30 @@ def test_speedups_pair_the_runs_of_each_repeat():
     assert rows["eqspec"]["speedup"] == pytest.approx(400 / 350)
 
 
+def test_a_twin_measures_the_noise_floor_and_is_never_a_baseline():
+    """`--twin`: a second autoregressive engine at the end of each batch size's cells; every ratio
+    still divides by the first, and the twin's own ratio to it is reported as the noise floor."""
+    cells, _ = plan(["autoregressive", "eqspec"], [1, 8], [4], ["draft_model"], peers=False, twin=True)
+    assert [(c.method, c.batch_size, c.twin) for c in cells] == [
+        ("autoregressive", 1, False), ("eqspec", 1, False), ("autoregressive", 1, True),
+        ("autoregressive", 8, False), ("eqspec", 8, False), ("autoregressive", 8, True)]
+    with pytest.raises(ValueError, match="add autoregressive"):
+        plan(["eqspec"], [1], [4], ["draft_model"], peers=False, twin=True)
+    ar, twin, spec = Cell("autoregressive", 8), Cell("autoregressive", 8, twin=True), Cell("eqspec", 8, 4)
+    runs = {twin: [Run(380, 1.0, None, 0.0), Run(330, 1.0, None, 0.0), Run(400, 1.0, None, 0.0)],  # first:
+            ar: [Run(400, 1.0, None, 0.0), Run(300, 1.0, None, 0.0), Run(410, 1.0, None, 0.0)],  # not a baseline
+            spec: [Run(420, 1.0, None, 0.0), Run(330, 1.0, None, 0.0), Run(400, 1.0, None, 0.0)]}
+    rows = {r["method"]: r for r in summarize(runs, {}, None)}
+    assert rows["eqspec"]["speedup"] == pytest.approx(1.05)
+    assert rows["eqspec"]["speedup_runs"] == pytest.approx([1.05, 1.10, 400 / 410])
+    assert rows["autoregressive"]["speedup"] == 1.0
+    assert rows["autoregressive[twin]"]["speedup"] == pytest.approx(400 / 410)  # of 0.95, 1.10, 0.98
+    notes = noise_floor(list(rows.values()))
+    assert notes == ["noise floor at batch size 8: a second, identical autoregressive engine made 0.98x the first "
+                     "(per repeat 0.95-1.10): speed-ups within that of 1.0 do not tell the cells apart"]
+    assert doctest.testmod(report_module).failed == 0  # noise_floor's own example
+
+
 def test_peer_rows(report):
     rows = report["results"]
     assert {r["batch_size"] for r in rows if r["method"] == "hf_generate"} == {1, 2}
@@ -165,11 +192,13 @@ def test_cli_bench_and_verify(tiny_dirs, tmp_path):
               "--max-new-tokens", "6"]
     out = tmp_path / "bench.json"
     result = runner.invoke(app, ["bench", *common, "--methods", "autoregressive,eqspec", "--batch-sizes", "1,2",
-                                 "--gamma", "2", "--peers", "hf", "--json", str(out), "--plots", str(tmp_path / "pl")])
+                                 "--gamma", "2", "--peers", "hf", "--twin", "--json", str(out),
+                                 "--plots", str(tmp_path / "pl")])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert {r["method"] for r in data["results"]} == {"autoregressive", "eqspec[adaptive]", "hf_generate",
-                                                      "hf_assisted"}  # adaptive by default
+                                                      "hf_assisted", "autoregressive[twin]"}  # adaptive by default
+    assert result.output.count("noise floor at batch size") == 2 and data["config"]["twin"]
     assert {p.name for p in (tmp_path / "pl").iterdir()} == {"throughput.png", "speedup.png", "time_share.png",
                                                              "acceptance.png"}
     vout = tmp_path / "verify.json"

@@ -7,17 +7,18 @@ from statistics import mean
 from ..core.forward import lean_unsupported
 from .costs import ideal_speedup, step_costs
 from .machine import machine_info
-from .report import markdown_table
+from .report import markdown_table, noise_floor
 from .runner import Bench, Cell, measure_costs, plan, summarize
 
 
 def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, gammas, drafters=("draft_model",),
               peers: bool = False, repeat: int = 1, windows=("4x",), forwards=("auto",), refills=("continuous",),
               adaptives=(True,), budgets=("none",), sort_by_length=False, profile=False, progress=None,
-              engine_options: dict | None = None) -> dict:
-    """Run the grid and return the JSON-ready report: {machine, config, notes, results}."""
+              engine_options: dict | None = None, twin: bool = False) -> dict:
+    """Run the grid and return the JSON-ready report: {machine, config, notes, results}. twin: a
+    second autoregressive engine per batch size, the run's noise floor (`plan`, `noise_floor`)."""
     cells, notes = plan(list(methods), list(batch_sizes), list(gammas), list(drafters), peers, list(windows),
-                        list(forwards), list(refills), list(adaptives), list(budgets))
+                        list(forwards), list(refills), list(adaptives), list(budgets), twin)
     new_tokens = sorted({p.max_new_tokens for p in params})
     if peers and len(new_tokens) > 1:
         raise ValueError("the transformers peers take one max_new_tokens for a whole batch; drop --peers with a "
@@ -32,6 +33,7 @@ def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, g
     device = pair.target.device
     timers_exact = device.type != "cuda" or profile
     results = summarize(runs, costs, pair)
+    notes.extend(noise_floor(results))
     if not timers_exact:
         for r in results:
             r["time_share"] = None
@@ -50,7 +52,7 @@ def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, g
         "methods": list(methods), "batch_sizes": list(batch_sizes), "gammas": list(gammas),
         "drafters": list(drafters), "peers": ["hf_generate", "hf_assisted"] if peers else [], "repeat": repeat,
         "windows": list(windows), "forwards": list(forwards), "refills": list(refills), "adaptives": list(adaptives),
-        "budgets": list(budgets),
+        "budgets": list(budgets), "twin": twin,
         **(engine_options or {}),
         "auto_forward": {name: "lean" if lean_unsupported(m) is None else f"hf ({lean_unsupported(m)})"
                          for name, m in (("target", pair.target), ("draft", pair.draft)) if m is not None},

@@ -29,6 +29,25 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def noise_floor(results: list[dict]) -> list[str]:
+    """One note per batch size that ran a twin (`bench --twin`): what a second, identical
+    autoregressive engine measured against the first, the spread a speed-up of 1.0 has in this run.
+
+    >>> noise_floor([{"method": "autoregressive[twin]", "batch_size": 8, "speedup": 1.03,
+    ...               "speedup_runs": [0.94, 1.03, 1.08]}])  # doctest: +NORMALIZE_WHITESPACE
+    ['noise floor at batch size 8: a second, identical autoregressive engine made 1.03x the first
+      (per repeat 0.94-1.08): speed-ups within that of 1.0 do not tell the cells apart']
+    """
+    notes = []
+    for r in results:
+        if r["method"].split("[")[0] == "autoregressive" and "twin" in r["method"] and r.get("speedup"):
+            runs = r.get("speedup_runs") or [r["speedup"]]
+            notes.append(f"noise floor at batch size {r['batch_size']}: a second, identical autoregressive engine "
+                         f"made {r['speedup']:.2f}x the first (per repeat {min(runs):.2f}-{max(runs):.2f}): speed-ups "
+                         "within that of 1.0 do not tell the cells apart")
+    return notes
+
+
 def scheduling_table(results: list[dict]) -> str:
     """How batches were laid out: rows moved to keep a batch together, rows idle in a verify pass,
     query columns padded for rows drafting fewer tokens, and how full the batches were."""

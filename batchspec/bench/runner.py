@@ -41,15 +41,16 @@ class Cell:
     refill: str | None = None  # ours only: EngineConfig.refill
     adaptive: bool = False  # eqspec / exspec only: EngineConfig.adaptive
     budget: int | None = None  # eqspec / exspec only: EngineConfig.budget (TETRIS)
+    twin: bool = False  # autoregressive only: a second, identical engine (the run's noise floor, see `plan`)
 
     @property
     def name(self) -> str:
         """The method as tables show it: "autoregressive", "autoregressive[hf]" when run through
         the transformers modules instead of the default forward, "eqspec[fixed]" with the paper's
-        fixed batches (refill none)."""
+        fixed batches (refill none), "autoregressive[twin]" for the noise floor."""
         tags = [t for t in (None if self.forward in (None, "auto") else self.forward,
                             "fixed" if self.refill == "none" else None, "adaptive" if self.adaptive else None,
-                            f"budget={self.budget}" if self.budget else None) if t]
+                            f"budget={self.budget}" if self.budget else None, "twin" if self.twin else None) if t]
         return f"{self.method}[{','.join(tags)}]" if tags else self.method
 
     @property
@@ -85,9 +86,15 @@ def budget_size(spec: str, batch_size: int) -> int | None:
 def plan(methods: list[str], batch_sizes: list[int], gammas: list[int], drafters: list[str],
          peers: bool, windows: list[str] = ("4x",), forwards: list[str] = ("auto",),
          refills: list[str] = ("continuous",), adaptives: list[bool] = (True,),
-         budgets: list[str] = ("none",)) -> tuple[list[Cell], list[str]]:
+         budgets: list[str] = ("none",), twin: bool = False) -> tuple[list[Cell], list[str]]:
     """The grid, ordered so our methods and the peers alternate; plus notes on what was left out.
-    budgets: "none" (no TETRIS budget), "24" (24 verified drafts per round) or "2x" (2 x batch size)."""
+    budgets: "none" (no TETRIS budget), "24" (24 verified drafts per round) or "2x" (2 x batch size).
+    twin: after each batch size's cells, a second autoregressive engine, identical to the first: its
+    speed-up over it is what the machine alone makes of doing the same work twice (the noise floor
+    the other cells' speed-ups are read against), measured as far from the baseline as they are."""
+    if twin and "autoregressive" not in methods:
+        raise ValueError("--twin measures a second autoregressive engine against the first: add autoregressive "
+                         "to --methods")
     cells, notes = [], []
     for bs in batch_sizes:
         policies = [(a, budget_size(b, bs)) for a in adaptives for b in budgets]
@@ -104,6 +111,8 @@ def plan(methods: list[str], batch_sizes: list[int], gammas: list[int], drafters
                          for a, c in policies)
         if peers and bs == 1:
             cells.extend(Cell("hf_assisted", 1, g) for g in gammas)
+        if twin:
+            cells.extend(Cell("autoregressive", bs, forward=f, refill=r, twin=True) for f in forwards for r in refills)
     if peers and 1 not in batch_sizes:
         notes.append("hf_assisted was not run: transformers supports assisted generation at batch size 1 only, "
                      "and batch size 1 was not requested")
@@ -189,19 +198,24 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
 
     def base(method: str, bs: int, gamma=None, forward="auto", refill="continuous") -> Cell | None:
         for c in med:
-            if (c.method == method and c.batch_size == bs and (gamma is None or c.gamma == gamma)
+            if (c.method == method and c.batch_size == bs and (gamma is None or c.gamma == gamma) and not c.twin
                     and (c.forward or "auto") == forward and (c.refill or "continuous") == refill):
                 return c
         return None
 
+    def ratios(cell: Cell, baseline: Cell | None) -> list[float] | None:
+        """The per-repeat ratios (see the module doc); None if the two cells do not have a run in
+        every repeat alike."""
+        if baseline is None or len(tps[cell]) != len(tps[baseline]):
+            return None
+        return [a / b for a, b in zip(tps[cell], tps[baseline])]
+
     def ratio(cell: Cell, baseline: Cell | None) -> float | None:
-        """Median of the per-repeat ratios (see the module doc); the medians' ratio if the two
-        cells do not have a run in every repeat alike."""
+        """Median of the per-repeat ratios; the medians' ratio if there are none."""
         if baseline is None:
             return None
-        if len(tps[cell]) == len(tps[baseline]):
-            return statistics.median(a / b for a, b in zip(tps[cell], tps[baseline]))
-        return med[cell] / med[baseline]
+        paired = ratios(cell, baseline)
+        return statistics.median(paired) if paired else med[cell] / med[baseline]
 
     rows = []
     for cell, rs in runs.items():
@@ -223,6 +237,7 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
             "tokens_per_s_runs": tps[cell],  # per repeat, in order: what the paired ratios divide
             "repeats": len(rs),
             "speedup": ratio(cell, ar_same),
+            "speedup_runs": ratios(cell, ar_same),  # per repeat: the spread the median is taken over
             "speedup_vs_bs1": ratio(cell, ar_bs1),
             "vs_hf_generate": ratio(cell, hf_same) if ours else None,
             "vs_hf_assisted": ratio(cell, hf_assist) if ours else None,
