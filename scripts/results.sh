@@ -142,5 +142,11 @@ five_repeats wave16
 # Wave 17: a depth's verify scale relative to the shared one; profiles keep the fastest repeat.
 five_repeats wave17
 # Wave 18: a row that would leave its cohort while requests wait is charged its share of a prefill
-# forward (issue 19's table only; the drafter tables are wave 17's).
+# forward (issue 19's table first, the drafter tables on the same code in the session after).
 adaptive_five wave18
+all_drafters wave18 5
+# Wave 19: the same code, issue 19's table again with a second autoregressive engine per batch size
+# (`--twin`): its ratio to the first is the run's noise floor.
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
+  --json docs/results/wave19_adaptive.json
