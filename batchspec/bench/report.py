@@ -33,14 +33,14 @@ def noise_floor(results: list[dict]) -> list[str]:
     """One note per batch size that ran a twin (`bench --twin`): what a second, identical
     autoregressive engine measured against the first, the spread a speed-up of 1.0 has in this run.
 
-    >>> noise_floor([{"method": "autoregressive[twin]", "batch_size": 8, "speedup": 1.03,
+    >>> noise_floor([{"method": "autoregressive[twin]", "twin": True, "batch_size": 8, "speedup": 1.03,
     ...               "speedup_runs": [0.94, 1.03, 1.08]}])  # doctest: +NORMALIZE_WHITESPACE
     ['noise floor at batch size 8: a second, identical autoregressive engine made 1.03x the first
       (per repeat 0.94-1.08): speed-ups within that of 1.0 do not tell the cells apart']
     """
     notes = []
     for r in results:
-        if r["method"].split("[")[0] == "autoregressive" and "twin" in r["method"] and r.get("speedup"):
+        if r.get("twin") and r.get("speedup"):
             runs = r.get("speedup_runs") or [r["speedup"]]
             notes.append(f"noise floor at batch size {r['batch_size']}: a second, identical autoregressive engine "
                          f"made {r['speedup']:.2f}x the first (per repeat {min(runs):.2f}-{max(runs):.2f}): speed-ups "

@@ -229,7 +229,7 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
         ours = cell.method in OURS
         row = {
             "method": cell.name, "batch_size": cell.batch_size, "gamma": cell.gamma, "window": cell.window,
-            "forward": cell.forward, "refill": cell.refill,
+            "forward": cell.forward, "refill": cell.refill, "twin": cell.twin,
             "drafter": cell.drafter if cell.method in ("eqspec", "exspec") else None,
             "synthetic": bool(cell.drafter and drafter_spec(cell.drafter).synthetic),
             "tokens": middle.tokens, "seconds": middle.seconds,
