@@ -372,6 +372,7 @@ def test_load_64_clients_mixed_streaming_and_cancelled(served, tmp_path, tiny_di
     total, clients, max_tokens = 256, 64, 12
     refs = offline_generate(tmp_path, tiny_dirs, PROMPTS, max_tokens)
     before = served.metrics()
+    engine_before = {name: getattr(served.engine.stats, name) for name in ("drafted", "accepted")}
     kinds = ("stream", "whole", "stream_usage", "cancel")
 
     async def one(client, i: int):
@@ -444,7 +445,12 @@ def test_load_64_clients_mixed_streaming_and_cancelled(served, tmp_path, tiny_di
     assert ok >= len(answered) and ok + cancelled <= total and ok + cancelled >= total - total // 8
     assert ended["abort"] == cancelled >= total // 8
     now = served.metrics()
-    assert delta("batchspec_draft_tokens_total") > 0 and delta("batchspec_batch_occupancy_count") > 0
+    # the draft counters follow the engine's own (how many rounds speculate is the adaptive policy's
+    # call, made on this machine's timings: under this load it may run every round plain)
+    for metric, name in (("batchspec_draft_tokens_total", "drafted"), ("batchspec_accepted_draft_tokens_total",
+                                                                         "accepted")):
+        assert delta(metric) == getattr(served.engine.stats, name) - engine_before[name]
+    assert delta("batchspec_batch_occupancy_count") > 0
     assert delta("batchspec_time_to_first_token_seconds_count") >= len(answered)
     assert 0 <= counter(now, "batchspec_acceptance_rate") <= 1
     for gauge in ("batchspec_requests_waiting", "batchspec_requests_running", "batchspec_kv_tokens_in_use"):
