@@ -384,6 +384,7 @@ def bench(
     """Throughput, speed-ups, overhead anatomy and the analytic limit for a grid of settings."""
     from .bench import markdown_table, run_bench
     from .bench.report import scheduling_table
+    from .bench.runner import plan
     from .drafters import drafter_needs_model, parse_drafter, split_drafters
     from .models import load_pair
     from .prompts import apply_workload
@@ -412,6 +413,7 @@ def bench(
         budgets = parse_list(budget, str, "--budget")
         if not all(b == "none" or re.fullmatch(r"[1-9][0-9]*x?", b) for b in budgets):
             raise ValueError(f"--budget takes none, counts like 24 or multiples like 2x, got {budget!r}")
+        plan(method_list, sizes, gammas, drafter_list, False, twin=twin)  # its checks, before any model loads
         options = dict(max_kv_tokens=max_kv_tokens, max_prefill_tokens=max_prefill_tokens)
         for m in method_list:
             for bs in sizes:

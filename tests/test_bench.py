@@ -120,6 +120,11 @@ def test_a_twin_measures_the_noise_floor_and_is_never_a_baseline():
     assert doctest.testmod(report_module).failed == 0  # noise_floor's own example
 
 
+def test_cli_twin_without_autoregressive_is_refused_before_any_model_loads(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "--methods", "eqspec", "--twin", "--target", str(tmp_path / "none")])
+    assert result.exit_code != 0 and "add autoregressive to --methods" in " ".join(result.output.split())
+
+
 def test_peer_rows(report):
     rows = report["results"]
     assert {r["batch_size"] for r in rows if r["method"] == "hf_generate"} == {1, 2}
