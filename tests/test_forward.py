@@ -161,6 +161,38 @@ def test_prefill_attention_by_row_equals_padded(arch, monkeypatch):
             torch.testing.assert_close(a[i, :n], b[i, :n], rtol=1e-5, atol=1e-5)
 
 
+def test_folded_attention_takes_the_output_layout_cuda_returns(monkeypatch):
+    """CUDA's memory-efficient SDPA kernel (float32) returns [B, H, n, D] laid out as [B, n, H, D]:
+    unfolding the grouped query heads from that needs a copy (a `view` raised on an H200)."""
+    from batchspec.core import forward as fw
+
+    model = model_for("qwen2")  # 4 query heads over 2 KV heads: the folded path
+    expected = run_rows(LeanForward(model), model, [5, 1, 9, 3], 4)
+    sdpa = fw.F.scaled_dot_product_attention
+
+    def cuda_layout(*args, **kwargs):
+        return sdpa(*args, **kwargs).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(fw.F, "scaled_dot_product_attention", cuda_layout)
+    got = run_rows(LeanForward(model), model, [5, 1, 9, 3], 4)
+    for a, b in zip(got[:2], expected[:2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_cuda_attention_leaves_out_cudnn():
+    """On CUDA the forward passes run without cuDNN's SDPA kernel (a plan built per new shape:
+    speculation at 0.38x plain decoding at batch 32 on an H200); on a CPU nothing is restricted."""
+    from batchspec.core.forward import attention_kernels
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_kernels(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_kernels(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (3, 1, 24), (2, 16, 24), (33, 24), (0, 24)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matmul_equals_linear(shape, bias):

@@ -25,7 +25,7 @@ margin against noise: `Plan`, `plan_from_times`). The
 plan is kept per CPU, thread count, torch version and shapes, in memory and on disk
 (`batchspec/cache.py`). Zero rows change no other row's numbers in
 exact arithmetic; in float32 a different kernel or count may round differently, as a different
-batch already does (`batchspec verify` reruns any divergence in float64).
+batch already does (`batchspec verify --dtype float64` tells such rounding from a bug).
 
 Every count is timed because decoding feeds them all: a verify pass feeds the batch's tokens
 together (4 rows verifying 2 draft tokens each: 12), and no rule fills a gap. Timed at 1, 2, 4, 8,
