@@ -13,9 +13,10 @@ from typer.testing import CliRunner
 from batchspec import SamplingParams, load_pair
 from batchspec.bench import Cell, ideal_speedup, markdown_table, plan, run_bench, summarize
 from batchspec.bench import report as report_module
+from batchspec.bench import runner as runner_module
 from batchspec.bench.peers import count_tokens
 from batchspec.bench.report import noise_floor
-from batchspec.bench.runner import Run
+from batchspec.bench.runner import Run, warmup
 from batchspec.cli import app
 from batchspec.harness import check_reference_against_hf, reference_outputs
 
@@ -118,6 +119,18 @@ def test_a_twin_measures_the_noise_floor_and_is_never_a_baseline():
     assert notes == ["noise floor at batch size 8: a second, identical autoregressive engine made 0.98x the first "
                      "(per repeat 0.95-1.10): speed-ups within that of 1.0 do not tell the cells apart"]
     assert doctest.testmod(report_module).failed == 0  # noise_floor's own example
+
+
+def test_the_warm_up_runs_the_whole_workload_on_cuda_only():
+    """A CPU is warmed by two short prompts; CUDA sets kernels and memory up per shape, so there the
+    untimed run is the timed one's workload (prompts and sampling parameters, unchanged)."""
+    params = [SamplingParams(max_new_tokens=n, temperature=t) for n, t in ((32, 0.0), (4, 0.7), (16, 1.0))]
+    prompts = [[1, 2], [3], [4, 5, 6]]
+    assert warmup(prompts, params, "cuda") == (prompts, params)
+    cpu_prompts, cpu_params = warmup(prompts, params, "cpu")
+    assert cpu_prompts == prompts[:2]
+    assert [(p.max_new_tokens, p.temperature) for p in cpu_params] == [(8, 0.0), (4, 0.7)]
+    assert doctest.testmod(runner_module).failed == 0
 
 
 def test_cli_twin_without_autoregressive_is_refused_before_any_model_loads(tmp_path):
