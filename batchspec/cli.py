@@ -277,7 +277,7 @@ def _options(config: dict) -> dict:
 
 
 def _verify_greedy(pair, ids, methods, sizes, gamma, params, drafter, window, hf_check, config, json_path) -> bool:
-    from .harness import check_reference_against_hf, reference_outputs, run_equivalence
+    from .harness import check_reference_against_hf, divergence_note, reference_outputs, run_equivalence
 
     with console.status("reference: target-only greedy, batch size 1"):
         refs = reference_outputs(pair, ids, params, config["forward"])
@@ -302,8 +302,12 @@ def _verify_greedy(pair, ids, methods, sizes, gamma, params, drafter, window, hf
     if hf is not None:
         verdict = "identical" if hf["identical"] else f"DIFFERENT (exact match {hf['exact_match']:.2f})"
         Console().print(f"reference vs transformers generate(do_sample=False) on {hf['prompts']} prompts: {verdict}")
+    note = divergence_note(results, pair.target.dtype)
+    if note is not None:
+        Console().print(f"note: {note}")
     if json_path is not None:
-        json_path.write_text(json.dumps({"config": config, "reference_check": hf, "results": results}, indent=2))
+        json_path.write_text(json.dumps({"config": config, "reference_check": hf, "results": results,
+                                         "divergence_note": note}, indent=2))
     return all(r["exact_match"] == 1.0 for r in results) and (hf is None or hf["identical"])
 
 

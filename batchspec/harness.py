@@ -108,6 +108,41 @@ def run_equivalence(
     return results
 
 
+def divergence_note(results: list[dict], dtype: torch.dtype) -> str | None:
+    """What a greedy divergence from the batch-1 reference means, given the dtype (None: none).
+
+    In float64 it is a bug. Below it, a batched pass may round differently from a pass of one row
+    (other matrix kernels, tilings, reduction orders), so plain decoding at that batch size may
+    diverge too: where `autoregressive` ran at the diverging batch sizes its result tells, and
+    float64 settles it either way. On an H200 in bfloat16, plain decoding at batch 32 diverged on
+    1 prompt of 16, and eqspec on the same prompt; in float32 neither did.
+
+    >>> r = [{"method": "autoregressive", "batch_size": 8, "exact_match": 0.9},
+    ...      {"method": "eqspec", "batch_size": 8, "exact_match": 0.9}]
+    >>> print(divergence_note(r, torch.bfloat16))  # doctest: +ELLIPSIS
+    divergence in bfloat16 at batch sizes 8: autoregressive (plain decoding, no speculation) diverges at 8 too, ...
+    """
+    off = [r for r in results if r["exact_match"] < 1.0]
+    if not off:
+        return None
+    sizes = sorted({r["batch_size"] for r in off})
+    if dtype == torch.float64:
+        return f"divergence in float64 at batch sizes {', '.join(map(str, sizes))}: a bug, not rounding"
+    plain = {r["batch_size"]: r["exact_match"] for r in results if r["method"] == "autoregressive"}
+    head = f"divergence in {str(dtype).removeprefix('torch.')} at batch sizes {', '.join(map(str, sizes))}: "
+    spec_sizes = sorted({r["batch_size"] for r in off if r["method"] != "autoregressive"})
+    if not all(bs in plain for bs in spec_sizes):
+        return head + ("add autoregressive to --methods to see whether plain decoding diverges there too "
+                       "(the dtype's rounding), or rerun with --dtype float64 (a divergence there is a bug).")
+    plain_off = [bs for bs in spec_sizes if plain[bs] < 1.0]
+    if plain_off == spec_sizes:
+        return head + (f"autoregressive (plain decoding, no speculation) diverges at {', '.join(map(str, plain_off))} "
+                       "too, so the dtype's rounding at those batch sizes accounts for it. Rerun with --dtype "
+                       "float64 to be sure.")
+    return head + ("plain decoding does not diverge at every one of them, so speculation may be at fault: rerun "
+                   "with --dtype float64 (a divergence there is a bug).")
+
+
 # ---------------------------------------------------------------------------------------- sampling
 def warped_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Target probabilities under transformers' own warpers (independent of batchspec's sampling code)."""

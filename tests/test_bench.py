@@ -223,7 +223,9 @@ def test_cli_bench_and_verify(tiny_dirs, tmp_path):
     result = runner.invoke(app, ["verify", *common, "--methods", "eqspec,exspec", "--batch-sizes", "1,3",
                                  "--json", str(vout)])
     assert result.exit_code == 0, result.output
-    rows = json.loads(vout.read_text())["results"]
+    verified = json.loads(vout.read_text())
+    rows = verified["results"]
+    assert verified["divergence_note"] is None and "note: divergence" not in result.output
     assert all({"method", "batch_size", "num_prompts", "exact_match", "partial_match"} <= set(r) for r in rows)
     assert all(r["exact_match"] == 1.0 and r["partial_match"] == 1.0 for r in rows)
     assert "identical" in result.output

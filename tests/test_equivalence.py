@@ -122,6 +122,30 @@ def test_float64_rerun_agrees():
     assert [o.token_ids for o in run(engine, ids)] == refs32
 
 
+def test_divergence_note_tells_rounding_from_a_suspect():
+    """`verify`'s reading of a divergence: none, a bug in float64, the dtype's rounding where plain
+    decoding diverges at the same batch sizes, a suspect where it does not, a hint without it."""
+    import doctest
+
+    from batchspec import harness
+    from batchspec.harness import divergence_note
+
+    def cell(method, bs, exact):
+        return {"method": method, "batch_size": bs, "exact_match": exact}
+
+    exact = [cell("autoregressive", 8, 1.0), cell("eqspec", 8, 1.0)]
+    assert divergence_note(exact, torch.bfloat16) is None
+    assert "a bug" in divergence_note([cell("eqspec", 8, 0.9)], torch.float64)
+    rounding = [cell("autoregressive", 1, 1.0), cell("autoregressive", 32, 0.94), cell("eqspec", 32, 0.94),
+                cell("exspec", 32, 0.97)]
+    assert "rounding at those batch sizes accounts for it" in divergence_note(rounding, torch.bfloat16)
+    suspect = [cell("autoregressive", 8, 1.0), cell("autoregressive", 32, 0.94), cell("eqspec", 8, 0.9),
+               cell("eqspec", 32, 0.94)]
+    assert "speculation may be at fault" in divergence_note(suspect, torch.bfloat16)
+    assert "add autoregressive to --methods" in divergence_note([cell("eqspec", 32, 0.94)], torch.float32)
+    assert doctest.testmod(harness).failed == 0
+
+
 def test_outputs_return_in_input_order_with_sorting():
     p, ids, refs = workload("llama")
     for method in ("eqspec", "exspec"):
