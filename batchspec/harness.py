@@ -115,7 +115,7 @@ def divergence_note(results: list[dict], dtype: torch.dtype) -> str | None:
     (other matrix kernels, tilings, reduction orders), so plain decoding at that batch size may
     diverge too: where `autoregressive` ran at the diverging batch sizes its result tells, and
     float64 settles it either way. On an H200 in bfloat16, plain decoding at batch 32 diverged on
-    1 prompt of 16, and eqspec on the same prompt; in float32 neither did.
+    1 prompt of 16, and eqspec on as many; in float32 neither did.
 
     >>> r = [{"method": "autoregressive", "batch_size": 8, "exact_match": 0.9},
     ...      {"method": "eqspec", "batch_size": 8, "exact_match": 0.9}]
@@ -131,6 +131,9 @@ def divergence_note(results: list[dict], dtype: torch.dtype) -> str | None:
     plain = {r["batch_size"]: r["exact_match"] for r in results if r["method"] == "autoregressive"}
     head = f"divergence in {str(dtype).removeprefix('torch.')} at batch sizes {', '.join(map(str, sizes))}: "
     spec_sizes = sorted({r["batch_size"] for r in off if r["method"] != "autoregressive"})
+    if not spec_sizes:
+        return head + ("only plain decoding (autoregressive) diverges, no speculative method does: the batched "
+                       "pass's rounding in this dtype, or a bug in batched plain decoding; --dtype float64 tells.")
     if not all(bs in plain for bs in spec_sizes):
         return head + ("add autoregressive to --methods to see whether plain decoding diverges there too "
                        "(the dtype's rounding), or rerun with --dtype float64 (a divergence there is a bug).")

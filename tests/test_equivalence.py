@@ -143,6 +143,8 @@ def test_divergence_note_tells_rounding_from_a_suspect():
                cell("eqspec", 32, 0.94)]
     assert "speculation may be at fault" in divergence_note(suspect, torch.bfloat16)
     assert "add autoregressive to --methods" in divergence_note([cell("eqspec", 32, 0.94)], torch.float32)
+    plain_only = [cell("autoregressive", 32, 0.94), cell("eqspec", 32, 1.0)]
+    assert "only plain decoding (autoregressive) diverges" in divergence_note(plain_only, torch.float32)
     assert doctest.testmod(harness).failed == 0
 
 
