@@ -181,7 +181,7 @@ def test_folded_attention_takes_the_output_layout_cuda_returns(monkeypatch):
 
 def test_cuda_attention_leaves_out_cudnn():
     """On CUDA the forward passes run without cuDNN's SDPA kernel (a plan built per new shape:
-    speculation at 0.38x plain decoding at batch 32 on an H200); on a CPU nothing is restricted."""
+    speculation at 0.39x plain decoding at batch 32 on an H200); on a CPU nothing is restricted."""
     from batchspec.core.forward import attention_kernels
 
     assert torch.backends.cuda.cudnn_sdp_enabled()

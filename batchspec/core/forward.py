@@ -37,10 +37,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .kernels import Plan, kernel_plan, w_xt
 
 LEAN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# Attention kernels allowed on CUDA: all but cuDNN's, which builds an execution plan for every new
-# shape, ~1 ms of CPU each (H200, torch 2.11, bfloat16). Speculative rounds feed a new (rows,
-# tokens, keys) shape nearly every round: at batch 32 the adaptive default spent 65 % of its time
-# there and ran at 0.38x plain decoding (1421 tokens/s against 3718).
+# Attention kernels allowed on CUDA: all but cuDNN's, which (by torch.profiler: docs/cuda.md) costs
+# ~1 ms of CPU per call on shapes it has not met, a plan built per shape (H200, torch 2.11, bf16).
+# Speculative rounds feed a new (rows, tokens, keys) shape nearly every round: at batch 32 the
+# adaptive default spent 65 % of its time there and ran at 0.39x plain decoding (1421 tokens/s
+# against 3642).
 CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 STATIC_ROPE = ("default", "linear", "llama3")  # inverse frequencies that do not depend on length
 
