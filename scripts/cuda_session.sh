@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA measurements docs/cuda.md still lacks, sized for a lent GPU machine (about 8 minutes on
-# an H200; each step has its own time limit, so one that overruns costs only itself). Runs with the
+# an H200; each step has its own time limit, 550 s in all, inside the device tool's 600 s a call). Runs with the
 # machine's own python3 and packages (torch, transformers, typer, rich: no install), from the
 # repository root:  OUT=<folder for results> bash scripts/cuda_session.sh
 #   1. verify in float32 and bfloat16, autoregressive included (the divergence note tells rounding);
@@ -21,10 +21,10 @@ step() {  # step SECONDS NAME command...: run with a limit, output to $OUT/NAME.
 }
 nvidia-smi -L
 python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
-step 100 verify_fp32 "${bs[@]}" verify "${common[@]}" --dtype float32 --json "$OUT/verify_fp32.json"
-step 100 verify_bf16 "${bs[@]}" verify "${common[@]}" --dtype bfloat16 --json "$OUT/verify_bf16.json"
-step 200 bench_small "${bs[@]}" bench --device cuda --methods autoregressive,eqspec --batch-sizes 1,8 --gamma 4 \
+step 90 verify_fp32 "${bs[@]}" verify "${common[@]}" --dtype float32 --json "$OUT/verify_fp32.json"
+step 90 verify_bf16 "${bs[@]}" verify "${common[@]}" --dtype bfloat16 --json "$OUT/verify_bf16.json"
+step 180 bench_small "${bs[@]}" bench --device cuda --methods autoregressive,eqspec --batch-sizes 1,8 --gamma 4 \
   --adaptive off,on --peers hf --twin --num-prompts 16 --max-new-tokens 32 --repeat 3 --json "$OUT/bench_small.json"
-step 150 bench_large "${bs[@]}" bench --device cuda --methods autoregressive,eqspec --batch-sizes 32,64 --gamma 4 \
+step 140 bench_large "${bs[@]}" bench --device cuda --methods autoregressive,eqspec --batch-sizes 32,64 --gamma 4 \
   --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 3 --json "$OUT/bench_large.json"
-step 60 policy python3 scripts/cuda_policy.py cuda
+step 50 policy python3 scripts/cuda_policy.py cuda
