@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The CUDA measurements docs/cuda.md still lacks, sized for a lent GPU machine (about 8 minutes on
-# an H200; each step has its own time limit, 550 s in all, inside the device tool's 600 s a call). Runs with the
+# The CUDA measurements docs/cuda.md still lacks, sized for a lent GPU machine: each step has its
+# own time limit, 550 s in all, inside the device tool's 600 s a call. Runs with the
 # machine's own python3 and packages (torch, transformers, typer, rich: no install), from the
 # repository root:  OUT=<folder for results> bash scripts/cuda_session.sh
 #   1. verify in float32 and bfloat16, autoregressive included (the divergence note tells rounding);
