@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -187,6 +188,9 @@ def test_request_trie_incremental_equals_batch_insert(tokens, cut, depth):
     grown.extend(tokens)
     whole = CountTrie(depth)
     whole.add(tokens)
+    substrings = Counter(tuple(tokens[s:s + k]) for s in range(len(tokens)) for k in range(1, depth + 1)
+                         if s + k <= len(tokens))  # what the counts mean, computed by hand
+    assert node_counts(whole) == dict(substrings)
     assert node_counts(grown) == node_counts(whole)
     assert [node_counts(grown, n) for n in grown.active] == \
         [node_counts(whole, whole.find(tokens[len(tokens) - m:])) for m in range(1, len(grown.active) + 1)]
