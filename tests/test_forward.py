@@ -179,10 +179,38 @@ def test_folded_attention_takes_the_output_layout_cuda_returns(monkeypatch):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_cuda_attention_leaves_out_cudnn():
+def test_cuda_attention_leaves_out_cudnn(monkeypatch):
     """On CUDA the forward passes run without cuDNN's SDPA kernel (a plan built per new shape:
-    speculation at 0.39x plain decoding at batch 32 on an H200); on a CPU nothing is restricted."""
+    speculation at 0.39x plain decoding at batch 32 on an H200); on a CPU nothing is restricted.
+    Both forwards attend inside that choice (here with every device taken for CUDA)."""
+    from batchspec.core import forward as fw
     from batchspec.core.forward import attention_kernels
+
+    seen, inside = [], [False]
+    sdpa = fw.F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        if inside[0]:  # (run_rows also runs the model once to learn its KV shape)
+            seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    def watched(forward):
+        def call(*args, **kwargs):
+            inside[0] = True
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                inside[0] = False
+        return call
+
+    with monkeypatch.context() as m:
+        m.setattr(fw.F, "scaled_dot_product_attention", recording)
+        m.setattr(fw, "attention_kernels", lambda device: attention_kernels(torch.device("cuda")))
+        for forward in (LeanForward, HFForward):
+            seen.clear()
+            model = model_for("llama")
+            run_rows(watched(forward(model)), model, [5, 1, 9, 3], 2)
+            assert seen and not any(seen), forward.__name__
 
     assert torch.backends.cuda.cudnn_sdp_enabled()
     with attention_kernels(torch.device("cuda")):
