@@ -6,6 +6,7 @@ import doctest
 import json
 import math
 import statistics
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -131,6 +132,46 @@ def test_the_warm_up_runs_the_whole_workload_on_cuda_only():
     assert cpu_prompts == prompts[:2]
     assert [(p.max_new_tokens, p.temperature) for p in cpu_params] == [(8, 0.0), (4, 0.7)]
     assert doctest.testmod(runner_module).failed == 0
+
+
+def test_peak_memory_is_the_peak_inside_the_block_with_no_thread_beside_it():
+    """On Linux the kernel's high water mark, reset on entry: a larger peak before the block does
+    not count, one inside it does even once freed, and no sampling thread runs beside the timed code."""
+    import threading
+
+    import numpy as np
+    import psutil
+
+    from batchspec.bench.machine import PeakMemory
+
+    before = np.ones(400 * 2**20 // 8)  # 400 MB touched, then freed before the block
+    del before
+    threads = threading.active_count()
+    with PeakMemory("cpu") as mem:
+        assert threading.active_count() == threads or mem.sampled
+        base = psutil.Process().memory_info().rss / 2**20
+        inside = np.ones(150 * 2**20 // 8)  # 150 MB touched and freed inside
+        del inside
+    if mem.sampled:
+        pytest.skip("/proc/self/clear_refs cannot be written here: PeakMemory samples instead")
+    assert base + 140 < mem.peak_mb < base + 300
+
+
+def test_peak_memory_samples_where_the_kernel_peak_cannot_be_reset(monkeypatch, tmp_path):
+    import threading
+
+    import numpy as np
+
+    from batchspec.bench.machine import PeakMemory
+
+    monkeypatch.setattr(PeakMemory, "CLEAR_REFS", str(tmp_path / "missing" / "clear_refs"))
+    threads = threading.active_count()
+    with PeakMemory("cpu") as mem:
+        assert mem.sampled and threading.active_count() == threads + 1
+        inside = np.ones(150 * 2**20 // 8)
+        time.sleep(0.05)  # (the thread samples every 10 ms)
+        del inside
+    assert mem.peak_mb > 150 and threading.active_count() == threads
 
 
 def test_cli_twin_without_autoregressive_is_refused_before_any_model_loads(tmp_path):
