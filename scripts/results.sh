@@ -150,3 +150,11 @@ all_drafters wave18 5
 batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
   --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
   --json docs/results/wave19_adaptive.json
+# Wave 20: bench's peak memory from the kernel's high-water mark (no sampling thread beside the timed
+# code); the drafter tables again, with the twin.
+for w in echo plain; do
+  g=8; [ "$w" = plain ] && g=4
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
+    --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma "$g" --workload "$w" \
+    --json "docs/results/wave20_adaptive_$w.json"
+done
