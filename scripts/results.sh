@@ -158,3 +158,7 @@ for w in echo plain; do
     --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma "$g" --workload "$w" \
     --json "docs/results/wave20_adaptive_$w.json"
 done
+# and issue 19's table on the same code and day
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
+  --json docs/results/wave20_adaptive.json
