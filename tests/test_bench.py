@@ -9,16 +9,19 @@ import statistics
 import time
 
 import pytest
+import tiny
 from typer.testing import CliRunner
 
-from batchspec import SamplingParams, load_pair
+from batchspec import EngineConfig, SamplingParams, SpecEngine, load_pair
 from batchspec.bench import Cell, ideal_speedup, markdown_table, plan, run_bench, summarize
 from batchspec.bench import report as report_module
 from batchspec.bench import runner as runner_module
 from batchspec.bench.peers import count_tokens
-from batchspec.bench.report import noise_floor
+from batchspec.bench.report import noise_floor, scheduling_table
 from batchspec.bench.runner import Run, warmup
 from batchspec.cli import app
+from batchspec.core import stats as stats_module
+from batchspec.core.stats import RunStats, round_gain
 from batchspec.harness import check_reference_against_hf, reference_outputs
 
 PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, item):", "return", "self.items.append("]
@@ -49,6 +52,42 @@ def test_json_schema(report):
                for r in spec)
     assert any(r["synthetic"] for r in spec) and any(not r["synthetic"] for r in spec)
     assert "| method |" in markdown_table(report["results"])
+    assert all({"round_gain", "round_gain_coverage"} <= set(r["adaptive"]) for r in spec)
+    assert "speculative rounds' gain (coverage)" in scheduling_table(report["results"])
+
+
+def test_round_gain_weighs_speculative_rounds_against_plain_rounds_of_their_batch_size():
+    assert doctest.testmod(stats_module).failed == 0  # round_gain's own example
+    # speculative rounds at 4 rows made 8 tokens in 0.2 s where plain ones make 8 in 0.1 s: half as fast
+    assert round_gain({(4, True): [1, 8, 0.2], (4, False): [2, 8, 0.1]})["round_gain"] == pytest.approx(0.5)
+    # no plain round at the speculative rounds' batch size: nothing to weigh them against
+    assert round_gain({(4, True): [2, 10, 0.1], (2, False): [5, 10, 0.2]}) == \
+        {"round_gain": None, "round_gain_coverage": 0.0}
+    assert round_gain({(2, False): [5, 10, 0.2]}) == {"round_gain": None, "round_gain_coverage": None}
+    run, step = RunStats(), RunStats()
+    run.count_round(4, True, 8, 0.2)
+    step.count_round(4, True, 4, 0.1)
+    step.count_round(4, False, 4, 0.05)
+    run.merge(step)
+    assert run.round_time[(4, True)] == [2, 12, pytest.approx(0.3)] and run.round_time[(4, False)] == [1, 4, 0.05]
+
+
+def test_every_round_is_counted_as_speculative_exactly_when_it_verified_drafts():
+    """At one row a round verified drafts iff its row did (gamma_hist): an n-gram drafter that
+    finds no match, or a row with one token left, makes a plain round although the drafter ran."""
+    p = tiny.pair("llama", None)
+    ids = [[5, 6, 7, 8] * 6, [9, 10, 11] * 5, list(range(20, 40))]
+    engine = SpecEngine(p, EngineConfig(method="eqspec", batch_size=1, gamma=3, drafter="ngram:1,3", adaptive=False))
+    engine.generate(ids, SamplingParams(max_new_tokens=24))
+    stats = engine.stats
+    kinds = {verified: [sum(c[i] for (_, v), c in stats.round_time.items() if v == verified) for i in range(3)]
+             for verified in (False, True)}
+    assert kinds[True][0] == sum(n for g, n in stats.gamma_hist.items() if g > 0) > 0
+    assert kinds[False][0] == stats.gamma_hist[0] > 0 and kinds[True][0] + kinds[False][0] == stats.rounds
+    assert kinds[True][1] + kinds[False][1] == stats.emitted
+    assert 0 < kinds[True][2] + kinds[False][2] <= stats.wall
+    decided = stats.summary()["adaptive"]
+    assert decided["round_gain"] > 0 and decided["round_gain_coverage"] == 1.0  # (one row: always comparable)
 
 
 def test_time_shares_sum_to_one(report):

@@ -96,6 +96,7 @@ class RunStats:
     peak_kv_tokens: int = 0  # most target KV tokens committed at once
     gamma_hist: Counter = field(default_factory=Counter)  # drafts verified per row-round (γ_i) -> count
     predicted_s: float = 0.0  # adaptive: the policy's predicted draft + verify seconds, summed
+    round_time: dict = field(default_factory=dict)  # (rows, verified drafts) -> [rounds, tokens, seconds]: `round_gain`
     measured_s: float = 0.0  # ... and what those stages took
     wall: float = 0.0
     stage_time: dict[str, float] = field(default_factory=dict)
@@ -111,6 +112,17 @@ class RunStats:
         for k, v in other.stage_time.items():
             self.stage_time[k] = self.stage_time.get(k, 0.0) + v
         self.peak_kv_tokens = max(self.peak_kv_tokens, other.peak_kv_tokens)
+        for key, counts in other.round_time.items():
+            kept = self.round_time.setdefault(key, [0, 0, 0.0])
+            for i, n in enumerate(counts):
+                kept[i] += n
+
+    def count_round(self, rows: int, speculative: bool, tokens: int, seconds: float) -> None:
+        """One decoding round of `rows` rows, which verified drafts or not, emitted `tokens` in `seconds`."""
+        kept = self.round_time.setdefault((rows, speculative), [0, 0, 0.0])
+        kept[0] += 1
+        kept[1] += tokens
+        kept[2] += seconds
 
     def summary(self) -> dict:
         share = {k: self.stage_time.get(k, 0.0) / self.wall if self.wall else 0.0 for k in STAGES}
@@ -135,7 +147,41 @@ class RunStats:
             "adaptive": {"gamma_hist": {str(k): v for k, v in sorted(self.gamma_hist.items())},
                          "verified_per_round": self.drafted / rounds,
                          "accepted_per_verified": self.accepted / self.drafted if self.drafted else None,
-                         "predicted_over_measured": self.predicted_s / self.measured_s if self.measured_s else None}
+                         "predicted_over_measured": self.predicted_s / self.measured_s if self.measured_s else None,
+                         **round_gain(self.round_time)}
             if self.gamma_hist else None,
             "time_share": share,
         }
+
+
+def round_gain(round_time: dict) -> dict:
+    """Whether speculating paid, measured inside one run: the rounds that verified drafts against
+    the plain rounds of the same batch sizes, at their tokens per second. `round_gain` is the
+    seconds plain rounds would have taken for the speculative rounds' tokens over what those took
+    (above 1: speculating made tokens faster); `round_gain_coverage` the share of the speculative
+    rounds' seconds it rests on (batch sizes with no plain round are left out). A round counts
+    whole, drafting included; one whose drafter found or kept nothing to verify counts as plain
+    (a lookup without a match costs microseconds). Rounds of one run interleave within
+    milliseconds, so a machine that speeds up or slows down over seconds moves both sides alike,
+    which a speed-up between runs (`bench`'s paired ratios) cannot promise; it leaves out what
+    happens between rounds (prefill, the draft model's prefill with it) and how full the rounds
+    were.
+
+    Example: at 8 rows 10 plain rounds made 80 tokens in 1.0 s and 3 speculative rounds 50 in
+    0.5 s (plain: 0.625 s for those 50, gain 1.25); speculative rounds at 3 rows took 0.1 s with no
+    plain round at 3 rows to compare: coverage 0.5 / 0.6.
+
+    >>> round_gain({(8, False): [10, 80, 1.0], (8, True): [3, 50, 0.5], (3, True): [1, 9, 0.1]})
+    {'round_gain': 1.25, 'round_gain_coverage': 0.8333333333333334}
+    """
+    speculative = plain = total = 0.0
+    for (rows, verified), (_, tokens, seconds) in round_time.items():
+        if not verified:
+            continue
+        total += seconds
+        _, base_tokens, base_s = round_time.get((rows, False), (0, 0, 0.0))
+        if base_tokens > 0 and base_s > 0:
+            speculative += seconds
+            plain += tokens * base_s / base_tokens
+    return {"round_gain": plain / speculative if speculative else None,
+            "round_gain_coverage": speculative / total if total else None}

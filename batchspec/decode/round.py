@@ -141,9 +141,11 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     stats.row_rounds += len(batch)
     stats.idle_rows += target.stats.idle_rows - idle_before
     stats.padding_tokens += sum(drafts.shape[1] - n for n in lengths)
+    made = 0
     for i, (req, a, row, n) in enumerate(zip(batch, accepted, tokens, lengths)):
         emitted = req.append(row[: a + 1])
         stats.emitted += emitted
+        made += emitted
         req.stats.rounds += 1
         if gamma > 0:
             req.stats.drafted += n
@@ -155,6 +157,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             stats.accepted += a
             stats.accept_hist[a] += 1
             stats.gamma_hist[n] += 1
+    stats.count_round(len(batch), any(lengths), made, time.perf_counter() - started)  # (core/stats.py: round_gain)
     if policy is not None:  # the whole round is measured, less a lookup's catch-up: the policy weighs it all
         draft_s = timer.since(before)["draft"]
         rest_s = time.perf_counter() - started - draft_s
