@@ -51,20 +51,22 @@ def noise_floor(results: list[dict]) -> list[str]:
 def scheduling_table(results: list[dict]) -> str:
     """How batches were laid out: rows moved to keep a batch together, rows idle in a verify pass,
     query columns padded for rows drafting fewer tokens, and how full the batches were; and whether
-    the rounds that verified drafts made tokens faster than the plain rounds of the same batch sizes in the
-    same runs (`core.stats.round_gain`, with the share of their time it covers)."""
+    the rounds that verified drafts made tokens faster than the plain rounds of the same batch sizes
+    in the same runs (`core.stats.round_gain`, with the share of their time it covers)."""
     rows = [r for r in results if r["method"].split("[")[0] in ("eqspec", "exspec")
             and r.get("moved_rows_per_round") is not None]
     if not rows:
         return ""
-    lines = ["| method | bs | γ | window | tokens/s | moved rows/round | idle rows/round | padding tokens/round "
-             "| mean occupancy | speculative rounds' gain (coverage) |", "|" + "|".join(["---"] * 10) + "|"]
+    lines = ["| method | drafter | bs | γ | window | tokens/s | moved rows/round | idle rows/round "
+             "| padding tokens/round | mean occupancy | speculative rounds' gain (coverage) |",
+             "|" + "|".join(["---"] * 11) + "|"]
     for r in rows:
         rounds = r.get("adaptive") or {}
         gain = _x(rounds.get("round_gain")) + (f" ({rounds['round_gain_coverage']:.0%})"
                                                 if rounds.get("round_gain") is not None else "")
         lines.append(
-            f"| {r['method']} | {r['batch_size']} | {r['gamma']} | {r.get('window') or '-'} | {r['tokens_per_s']:.1f} "
+            f"| {r['method']} | {r.get('drafter') or '-'} | {r['batch_size']} | {r['gamma']} "
+            f"| {r.get('window') or '-'} | {r['tokens_per_s']:.1f} "
             f"| {r['moved_rows_per_round']:.2f} | {r['idle_rows_per_round']:.2f} "
             f"| {r['padding_tokens_per_round']:.1f} | {r['mean_batch_occupancy']:.2f} | {gain} |"
         )
