@@ -162,3 +162,15 @@ done
 batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
   --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
   --json docs/results/wave20_adaptive.json
+# Wave 21: the same engine; bench reports each speculative cell's round gain (its rounds that
+# verified drafts against the plain rounds of the same batch sizes in the same run).
+for w in echo plain; do
+  g=8; [ "$w" = plain ] && g=4
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
+    --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma "$g" --workload "$w" \
+    --json "docs/results/wave21_adaptive_$w.json"
+done
+# and issue 19's table on the same code and day
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
+  --json docs/results/wave21_adaptive.json

@@ -96,8 +96,8 @@ class RunStats:
     peak_kv_tokens: int = 0  # most target KV tokens committed at once
     gamma_hist: Counter = field(default_factory=Counter)  # drafts verified per row-round (γ_i) -> count
     predicted_s: float = 0.0  # adaptive: the policy's predicted draft + verify seconds, summed
-    round_time: dict = field(default_factory=dict)  # (rows, verified drafts) -> [rounds, tokens, seconds]: `round_gain`
     measured_s: float = 0.0  # ... and what those stages took
+    round_time: dict = field(default_factory=dict)  # (rows, verified drafts) -> [rounds, tokens, seconds]: `round_gain`
     wall: float = 0.0
     stage_time: dict[str, float] = field(default_factory=dict)
 
