@@ -145,32 +145,28 @@ five_repeats wave17
 # forward (issue 19's table first, the drafter tables on the same code in the session after).
 adaptive_five wave18
 all_drafters wave18 5
-# Wave 19: the same code, issue 19's table again with a second autoregressive engine per batch size
-# (`--twin`): its ratio to the first is the run's noise floor.
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
-  --json docs/results/wave19_adaptive.json
+# From wave 19 on, with a second autoregressive engine per batch size (`--twin`): its ratio to the
+# first is the run's noise floor. issue19_twin WAVE: issue 19's table; drafters_twin WAVE: issue 20's.
+issue19_twin() {
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
+    --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
+    --json "docs/results/$1_adaptive.json"
+}
+drafters_twin() {
+  for w in echo plain; do
+    g=8; [ "$w" = plain ] && g=4
+    batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
+      --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma "$g" --workload "$w" \
+      --json "docs/results/$1_adaptive_$w.json"
+  done
+}
+# Wave 19: the same code, issue 19's table again with the twin.
+issue19_twin wave19
 # Wave 20: bench's peak memory from the kernel's high-water mark (no sampling thread beside the timed
-# code); the drafter tables again, with the twin.
-for w in echo plain; do
-  g=8; [ "$w" = plain ] && g=4
-  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
-    --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma "$g" --workload "$w" \
-    --json "docs/results/wave20_adaptive_$w.json"
-done
-# and issue 19's table on the same code and day
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
-  --json docs/results/wave20_adaptive.json
+# code); the drafter tables again, then issue 19's table on the same code and day.
+drafters_twin wave20
+issue19_twin wave20
 # Wave 21: the same engine; bench reports each speculative cell's round gain (its rounds that
 # verified drafts against the plain rounds of the same batch sizes in the same run).
-for w in echo plain; do
-  g=8; [ "$w" = plain ] && g=4
-  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
-    --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma "$g" --workload "$w" \
-    --json "docs/results/wave21_adaptive_$w.json"
-done
-# and issue 19's table on the same code and day
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
-  --json docs/results/wave21_adaptive.json
+drafters_twin wave21
+issue19_twin wave21
