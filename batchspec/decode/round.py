@@ -157,10 +157,11 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             stats.accepted += a
             stats.accept_hist[a] += 1
             stats.gamma_hist[n] += 1
-    stats.count_round(len(batch), any(lengths), made, time.perf_counter() - started)  # (core/stats.py: round_gain)
+    elapsed = time.perf_counter() - started
+    stats.count_round(len(batch), any(lengths), made, elapsed)  # (core/stats.py: round_gain)
     if policy is not None:  # the whole round is measured, less a lookup's catch-up: the policy weighs it all
         draft_s = timer.since(before)["draft"]
-        rest_s = time.perf_counter() - started - draft_s
+        rest_s = elapsed - draft_s
         draft_s = max(0.0, draft_s - (getattr(engine.drafter, "catch_up_s", 0.0) - indexed_s))
         policy.observe(accepted, lengths, confidence, rest_s, draft_s, caught_up=caught_up > 0)
         predicted = policy.predicted_s()
