@@ -369,6 +369,9 @@ def bench(
                                                         "24 (drafts verified per round) or 2x (2 x batch size)"),
     peers: str = typer.Option("", "--peers", help="'hf' adds transformers generate / assisted generation"),
     repeat: int = typer.Option(1, "--repeat", help="Timed rounds per cell (interleaved); medians are reported"),
+    pairing: str = typer.Option("steps", "--pairing", help="steps: the engines of one batch size run together, a "
+                                                          "round each in turn (drift falls on all alike; the "
+                                                          "default); runs: each cell's whole run on its own"),
     twin: bool = typer.Option(False, "--twin", help="Also run a second, identical autoregressive engine per batch "
                                                     "size: its speed-up over the first is the run's noise floor"),
     temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
@@ -388,7 +391,7 @@ def bench(
     """Throughput, speed-ups, overhead anatomy and the analytic limit for a grid of settings."""
     from .bench import markdown_table, run_bench
     from .bench.report import scheduling_table
-    from .bench.runner import plan
+    from .bench.runner import PAIRINGS, plan
     from .drafters import drafter_needs_model, parse_drafter, split_drafters
     from .models import load_pair
     from .prompts import apply_workload
@@ -404,6 +407,8 @@ def bench(
             raise ValueError(f"--peers takes 'hf' (transformers), got {peers!r}")
         if repeat < 1:
             raise ValueError("--repeat must be >= 1")
+        if pairing not in PAIRINGS:
+            raise ValueError(f"--pairing takes {' or '.join(PAIRINGS)}, got {pairing!r}")
         for d in drafter_list:
             parse_drafter(d)
         windows = parse_list(window, str, "--window")
@@ -450,7 +455,7 @@ def bench(
             report = run_bench(pair, ids, params, methods=method_list, batch_sizes=sizes, gammas=gammas,
                                drafters=drafter_list, peers=peers == "hf", repeat=repeat, windows=windows,
                                forwards=forward_list, refills=refills, adaptives=[a == "on" for a in adaptives],
-                               budgets=budgets, twin=twin,
+                               budgets=budgets, twin=twin, pairing=pairing,
                                engine_options=options,
                                sort_by_length=sort_by_length, profile=profile, progress=step)
     except ValueError as exc:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -363,35 +364,31 @@ class SpecEngine:
         earlier with `add_request()` keep running alongside; their outputs are kept for the next
         `step()`. Closing the iterator early aborts the prompts not yet finished. `last_run`
         holds this call's statistics."""
-        encoded, params = self._prepare(prompts, params, references)
-        run = RunStats()
-        self._runs.append(run)
-        start = time.perf_counter()
-        ids = [self._add(ids, sp, p if isinstance(p, str) else None) for ids, sp, p in zip(encoded, params, prompts)]
+        ids = self.submit(prompts, params, references=references)  # all validated before any is queued
         position = {rid: i for i, rid in enumerate(ids)}
         open_ids, others = set(ids), []
-        try:
-            while open_ids:
-                outs = self.step()
-                if not outs and not self.has_unfinished():
-                    raise RuntimeError("the engine stopped with requests unfinished; this is a bug")
-                for out in outs:
-                    if out.index not in position:
-                        others.append(out)
-                        continue
-                    if out.finished:
-                        open_ids.discard(out.index)
-                    i = position[out.index]
-                    yield replace(out, index=i, output=replace(out.output, index=i) if out.output else None)
-        finally:
-            for rid in open_ids:  # closed early: the aborts take effect at the next step()
-                self.abort(rid)
-            self._runs.remove(run)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            run.wall = time.perf_counter() - start
-            self.last_run = run
-            self._stashed = others + self._stashed
+        with self.recording() as run:
+            start = time.perf_counter()
+            try:
+                while open_ids:
+                    outs = self.step()
+                    if not outs and not self.has_unfinished():
+                        raise RuntimeError("the engine stopped with requests unfinished; this is a bug")
+                    for out in outs:
+                        if out.index not in position:
+                            others.append(out)
+                            continue
+                        if out.finished:
+                            open_ids.discard(out.index)
+                        i = position[out.index]
+                        yield replace(out, index=i, output=replace(out.output, index=i) if out.output else None)
+            finally:
+                for rid in open_ids:  # closed early: the aborts take effect at the next step()
+                    self.abort(rid)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                run.wall = time.perf_counter() - start  # the whole call, not only its steps
+                self._stashed = others + self._stashed
 
     def generate(
         self,
@@ -415,6 +412,32 @@ class SpecEngine:
                 if progress is not None:
                     progress(len(out.output.token_ids))
         return results
+
+    def submit(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        references: Mapping[tuple[int, ...], list[int]] | None = None,
+    ) -> list[int]:
+        """Queue every prompt, all validated before any is queued (as `generate` does); returns
+        their request ids, in order. For callers that drive `step()` themselves."""
+        encoded, params = self._prepare(prompts, params, references)
+        return [self._add(ids, sp, p if isinstance(p, str) else None) for ids, sp, p in zip(encoded, params, prompts)]
+
+    @contextmanager
+    def recording(self) -> Iterator[RunStats]:
+        """The statistics of every `step()` taken inside the block, summed (their `wall` is the
+        steps' own time); `last_run` holds them afterwards. `generate()` and `stream()` record
+        this way; a caller that drives `step()` itself can too (`bench` runs engines step by
+        step, in turn, so that a shared machine's drift falls on all of them alike)."""
+        run = RunStats()
+        self._runs.append(run)
+        try:
+            yield run
+        finally:
+            self._runs.remove(run)
+            self.last_run = run
 
     def _prepare(self, prompts, params, references) -> tuple[list[list[int]], list[SamplingParams]]:
         if isinstance(params, SamplingParams) or params is None:

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import tiny
+import torch
 from typer.testing import CliRunner
 
 from batchspec import EngineConfig, SamplingParams, SpecEngine, load_pair
@@ -159,6 +160,64 @@ def test_a_twin_measures_the_noise_floor_and_is_never_a_baseline():
     assert notes == ["noise floor at batch size 8: a second, identical autoregressive engine made 0.98x the first "
                      "(per repeat 0.95-1.10): speed-ups within that of 1.0 do not tell the cells apart"]
     assert doctest.testmod(report_module).failed == 0  # noise_floor's own example
+
+
+def test_step_pairing_runs_the_engines_in_turn_each_timed_by_its_own_steps(tiny_dirs, monkeypatch):
+    """`--pairing steps`: the engines of one batch size take one step each in turn until each is
+    done, and a cell's seconds are its own steps' only, so the cells' seconds add up to no more
+    than the whole; every engine makes the tokens it makes on its own."""
+    pair = load_pair(tiny_dirs["target"], tiny_dirs["draft"])
+    ids = [pair.tokenizer(p)["input_ids"] for p in PROMPTS]
+    bench = runner_module.Bench(pair, ids, [SamplingParams(max_new_tokens=6)] * len(ids))
+    cells = [Cell("autoregressive", 2), Cell("eqspec", 2, 2, "draft_model"), Cell("autoregressive", 2, twin=True)]
+    cell_of = {id(bench.engine(c)): c for c in cells}
+    log, real_step = [], SpecEngine.step
+
+    def step(engine):
+        start = time.perf_counter()
+        out = real_step(engine)
+        log.append((cell_of[id(engine)], time.perf_counter() - start))
+        return out
+
+    monkeypatch.setattr(SpecEngine, "step", step)
+    start = time.perf_counter()
+    runs = bench.run_together(cells)
+    total = time.perf_counter() - start
+    order = [c for c, _ in log]
+    turns = min(order.count(c) for c in cells)  # until the first is done, every engine in every turn
+    assert turns > 2 and order[:3 * turns] == cells * turns
+    for c in cells:
+        own = sum(t for cc, t in log if cc == c)
+        assert 0.8 * own <= runs[c].seconds <= own
+    assert sum(runs[c].seconds for c in cells) <= total
+    log.clear()
+    alone = {c: bench.run(c) for c in cells}
+    assert all(runs[c].tokens == alone[c].tokens > 0 for c in cells)
+    assert runs[cells[1]].stats["rounds"] == alone[cells[1]].stats["rounds"]
+
+
+def test_step_pairing_runs_peers_on_their_own_after_our_engines_then_before_them(monkeypatch):
+    cells, _ = plan(["autoregressive", "eqspec"], [1, 2], [2], ["draft_model"], peers=True, adaptives=[False])
+    calls = []
+    bench = runner_module.Bench(None, [[1]], [SamplingParams(max_new_tokens=2)])
+    monkeypatch.setattr(runner_module, "warmup", lambda prompts, params, kind: (prompts, params))
+    monkeypatch.setattr(bench, "pair", type("P", (), {"target": type("T", (), {"device": torch.device("cpu")})}))
+    monkeypatch.setattr(bench, "run", lambda cell, *a: calls.append(cell.label) or Run(1, 1.0, None, 0.0))
+    monkeypatch.setattr(bench, "run_together", lambda group: calls.append([c.label for c in group]) or
+                        {c: Run(1, 1.0, None, 0.0) for c in group})
+    runs = bench.measure(cells, 2, pairing="steps")
+    assert all(len(r) == 2 for r in runs.values())
+    timed = calls[len(cells):]  # after one warm-up run per cell
+    assert timed == [["autoregressive bs=1", "eqspec bs=1 γ=2"], "hf_generate bs=1", "hf_assisted bs=1 γ=2",
+                     ["autoregressive bs=2", "eqspec bs=2 γ=2"], "hf_generate bs=2",
+                     # the second repeat in reverse: batch size 2 first, its peer before our engines
+                     "hf_generate bs=2", ["eqspec bs=2 γ=2", "autoregressive bs=2"],
+                     "hf_assisted bs=1 γ=2", "hf_generate bs=1", ["eqspec bs=1 γ=2", "autoregressive bs=1"]]
+    calls.clear()
+    bench.measure(cells, 1, pairing="runs")
+    assert calls[len(cells):] == [c.label for c in cells]
+    with pytest.raises(ValueError, match="pairing"):
+        bench.measure(cells, 1, pairing="cells")
 
 
 def test_the_warm_up_runs_the_whole_workload_on_cuda_only():

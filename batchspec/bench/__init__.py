@@ -14,9 +14,10 @@ from .runner import Bench, Cell, measure_costs, plan, summarize
 def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, gammas, drafters=("draft_model",),
               peers: bool = False, repeat: int = 1, windows=("4x",), forwards=("auto",), refills=("continuous",),
               adaptives=(True,), budgets=("none",), sort_by_length=False, profile=False, progress=None,
-              engine_options: dict | None = None, twin: bool = False) -> dict:
+              engine_options: dict | None = None, twin: bool = False, pairing: str = "steps") -> dict:
     """Run the grid and return the JSON-ready report: {machine, config, notes, results}. twin: a
-    second autoregressive engine per batch size, the run's noise floor (`plan`, `noise_floor`)."""
+    second autoregressive engine per batch size, the run's noise floor (`plan`, `noise_floor`).
+    pairing: how the cells of a repeat share the machine (`Bench.measure`)."""
     cells, notes = plan(list(methods), list(batch_sizes), list(gammas), list(drafters), peers, list(windows),
                         list(forwards), list(refills), list(adaptives), list(budgets), twin)
     new_tokens = sorted({p.max_new_tokens for p in params})
@@ -25,7 +26,7 @@ def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, g
                          "range of --max-new-tokens")
     bench = Bench(pair, prompts, params, sort_by_length=sort_by_length, profile=profile, progress=progress,
                   engine_options=engine_options)
-    runs = bench.measure(cells, repeat)
+    runs = bench.measure(cells, repeat, pairing)
     context = int(mean(len(p) for p in prompts) + mean(new_tokens) / 2)
     if progress:
         progress("measuring step costs", 1, 1)
@@ -51,6 +52,7 @@ def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, g
         "temperature": params[0].temperature, "top_k": params[0].top_k, "top_p": params[0].top_p,
         "methods": list(methods), "batch_sizes": list(batch_sizes), "gammas": list(gammas),
         "drafters": list(drafters), "peers": ["hf_generate", "hf_assisted"] if peers else [], "repeat": repeat,
+        "pairing": pairing,
         "windows": list(windows), "forwards": list(forwards), "refills": list(refills), "adaptives": list(adaptives),
         "budgets": list(budgets), "twin": twin,
         **(engine_options or {}),

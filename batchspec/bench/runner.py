@@ -1,13 +1,23 @@
 """`batchspec bench`: one measuring path for every method, the baseline and the peers included.
 
 For every cell (method x batch size x γ x drafter, plus the transformers peers) the same
-seeded workload is generated after an untimed warm-up; `--repeat` rounds are interleaved
-(cells in forward order, then reverse, A B B A ...) so a machine whose speed drifts favours no
-one, and medians are reported. Ratios are always between cells measured in the same run, and
-paired: the median over repeats of a cell's tokens/s over its baseline's in the same repeat (the
-cells of one batch size run next to each other, so a slow minute of a shared machine falls on
-both sides of a pair). Example, 3 repeats, autoregressive 400 / 300 / 410 tok/s and a cell 420 /
-330 / 400: ratios 1.05, 1.10, 0.98, speed-up 1.05 (the medians' ratio, 400 / 400, would say 1.00).
+seeded workload is generated after an untimed warm-up, `--repeat` times, and medians are
+reported. Ratios are always between cells measured in the same run, and paired: the median
+over repeats of a cell's tokens/s over its baseline's in the same repeat. Example, 3 repeats,
+autoregressive 400 / 300 / 410 tok/s and a cell 420 / 330 / 400: ratios 1.05, 1.10, 0.98,
+speed-up 1.05 (the medians' ratio, 400 / 400, would say 1.00).
+
+How the cells of a repeat share the machine (`--pairing`):
+* steps (the default): our engines of one batch size run the workload together, one round
+  boundary (`SpecEngine.step`) each in turn, each timed by its own steps; the peers, which
+  transformers runs as one call, run after them. A shared machine's speed drifts over seconds
+  and the steps of all engines interleave within milliseconds, so the drift falls on every
+  side of a ratio alike. Measured on the 2-core EPYC, batch 32, 6 repeats: a second
+  autoregressive engine against the first at 0.998-1.002 (standard deviation 0.001), where
+  whole runs one after another gave 0.94-1.02 (0.027).
+* runs: every cell runs the whole workload on its own, in forward order, then reverse
+  (A B B A ...), so drift favours no one on average, but each ratio carries it.
+
 A drafter that learns across requests (suffix's shared trie) forgets before each run: otherwise
 a repeat would draft from the answers of the same prompts in the run before it.
 """
@@ -17,7 +27,9 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
+from itertools import groupby
 
 from ..config import EngineConfig
 from ..drafters import drafter_spec, drafter_uses_model
@@ -28,6 +40,7 @@ from .machine import PeakMemory
 from .peers import hf_assisted, hf_generate
 
 OURS = ("autoregressive", "eqspec", "exspec")
+PAIRINGS = ("steps", "runs")  # how the cells of a repeat share the machine (`Bench.measure`)
 
 
 @dataclass(frozen=True)
@@ -170,7 +183,36 @@ class Bench:
                 outs, seconds, stats = [o.token_ids for o in results], run.wall, run.summary()
         return Run(sum(len(o) for o in outs), seconds, stats, mem.peak_mb)
 
-    def measure(self, cells: list[Cell], repeat: int) -> dict[Cell, list[Run]]:
+    def run_together(self, cells: list[Cell]) -> dict[Cell, Run]:
+        """Our engines for `cells` (not the peers), stepped in turn until every one is done: one
+        round boundary (`SpecEngine.step`) of each, in the order given, then again. Each cell's
+        seconds are its own steps' (`SpecEngine.recording`), so a machine whose speed drifts
+        slows them all alike; its peak memory is the process's over them all (as a single run's
+        is over every engine resident)."""
+        engines = [self.engine(c) for c in cells]
+        tokens = [0] * len(cells)
+        with ExitStack() as stack, PeakMemory(self.pair.target.device) as mem:
+            records = []
+            for engine in engines:
+                if engine.drafter is not None:  # each run starts from the same history (see module doc)
+                    engine.drafter.forget()
+                engine.submit(self.prompts, self.params, references=self.references)
+                records.append(stack.enter_context(engine.recording()))
+            live = list(range(len(engines)))
+            while live:
+                for i in list(live):
+                    tokens[i] += sum(len(o.output.token_ids) for o in engines[i].step() if o.output is not None)
+                    if not engines[i].has_unfinished():
+                        live.remove(i)
+        return {c: Run(n, rec.wall, rec.summary(), mem.peak_mb) for c, n, rec in zip(cells, tokens, records)}
+
+    def measure(self, cells: list[Cell], repeat: int, pairing: str = "steps") -> dict[Cell, list[Run]]:
+        """Warm every cell up, then time `repeat` rounds of them (see the module doc). pairing
+        "steps": the cells of one batch size that are ours run together, step by step
+        (`run_together`), the peers each on its own after them (before them in odd repeats);
+        "runs": every cell runs on its own, one after another."""
+        if pairing not in PAIRINGS:
+            raise ValueError(f"pairing must be one of {', '.join(PAIRINGS)}, got {pairing!r}")
         if any(c.drafter and c.drafter.startswith("oracle") for c in cells):
             ref_engine = SpecEngine(self.pair, EngineConfig(method="autoregressive", batch_size=8))
             outs = ref_engine.generate(self.prompts, self.params)
@@ -183,10 +225,28 @@ class Bench:
             done += 1
         runs: dict[Cell, list[Run]] = {c: [] for c in cells}
         for r in range(repeat):
-            for cell in cells if r % 2 == 0 else list(reversed(cells)):
-                self.progress(f"repeat {r + 1}/{repeat} {cell.label}", done, total)
-                runs[cell].append(self.run(cell))
-                done += 1
+            order = cells if r % 2 == 0 else list(reversed(cells))
+            if pairing == "runs":
+                for cell in order:
+                    self.progress(f"repeat {r + 1}/{repeat} {cell.label}", done, total)
+                    runs[cell].append(self.run(cell))
+                    done += 1
+                continue
+            for bs, group in groupby(order, key=lambda c: c.batch_size):
+                group = list(group)
+                ours = [c for c in group if c.method in OURS]
+                peers = [c for c in group if c.method not in OURS]
+                for part in ((ours, peers) if r % 2 == 0 else (peers, ours)):
+                    if part is ours and ours:
+                        self.progress(f"repeat {r + 1}/{repeat} bs={bs}: {len(ours)} engines in turn", done, total)
+                        for cell, run in self.run_together(ours).items():
+                            runs[cell].append(run)
+                        done += len(ours)
+                    elif part is peers:
+                        for cell in peers:
+                            self.progress(f"repeat {r + 1}/{repeat} {cell.label}", done, total)
+                            runs[cell].append(self.run(cell))
+                            done += 1
         self.progress("done", done, total)
         return runs
 
