@@ -170,3 +170,7 @@ issue19_twin wave20
 # verified drafts against the plain rounds of the same batch sizes in the same run).
 drafters_twin wave21
 issue19_twin wave21
+# Wave 22: the same engine; bench now runs the engines of a batch size together, a round each in
+# turn (--pairing steps, the default), so the machine's drift falls on every side of a ratio alike.
+issue19_twin wave22
+drafters_twin wave22
