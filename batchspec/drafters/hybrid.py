@@ -64,6 +64,12 @@ class ModelGate:
     (170 tok/s), so the model pays there, while against the rounds as a whole (lookup rounds
     included, 300 tok/s) it would never run; the lookup's rounds happen whichever way the others go.
 
+    At first the two sides are measured in turn, `min_rounds` rounds each, and an average is the
+    mean of its rounds until 1 / n falls below `weight`: one round is not a measurement (a single
+    slow round without the model, 721 tok/s against ~950 for the model's, kept the model drafting
+    every round the lookup missed, at batch 8 under the adaptive policy: 1.19x plain decoding
+    where fixed γ made 1.28x; measured alike, 1.27x).
+
     Exploration: after `wait` rounds without the model it is tried again, then after twice as
     many each time it still does not pay (at most `max_wait` rounds); while it pays, a round without
     it is run after `probe` rounds with it, doubling the same way, so that side stays measured too.
@@ -71,8 +77,10 @@ class ModelGate:
     skip it for 16 rounds, try it once; still 120: skip 32, then 64, ... 512.
     """
 
-    def __init__(self, weight: float = 0.1, explore_every: int = 16, max_wait: int = 512) -> None:
+    def __init__(self, weight: float = 0.1, explore_every: int = 16, max_wait: int = 512, min_rounds: int = 4) -> None:
         self.weight, self.explore_every, self.max_wait = weight, explore_every, max_wait
+        self.min_rounds = min_rounds  # rounds each side is measured, in turn, before the gate compares them
+        self.counts = [0, 0]  # rounds recorded with the model, without it
         self.wait = explore_every  # rounds without the model before it is tried again
         self.probe = explore_every  # rounds with the model before one without it
         self.model: list[float] | None = None  # [tokens, seconds] per round the model drafted
@@ -83,8 +91,8 @@ class ModelGate:
     def use(self) -> bool:
         if self.model is None or self.skipped >= self.wait:
             return True  # measure it, or explore it again
-        if self.without is None:
-            return False  # measure the other side
+        if self.counts[1] < min(self.counts[0], self.min_rounds):
+            return False  # measure the other side as often, at first
         return self.pays() and self.used < self.probe
 
     def pays(self) -> bool:
@@ -95,14 +103,17 @@ class ModelGate:
         """A round with rows the lookup had nothing for: `drafted`, the model drafted them."""
         if drafted:
             explored = self.model is not None and self.skipped >= self.wait
-            self.model, self.skipped, self.used = self._mix(self.model, (tokens, seconds)), 0, self.used + 1
+            self.counts[0] += 1
+            self.model = self._mix(self.model, (tokens, seconds), self.counts[0])
+            self.skipped, self.used = 0, self.used + 1
             if self.pays():
                 self.wait = self.explore_every
             elif explored:
                 self.wait = min(self.max_wait, 2 * self.wait)
         else:
             probed = self.without is not None and self.used >= self.probe
-            self.without, self.used = self._mix(self.without, (tokens, seconds)), 0
+            self.counts[1] += 1
+            self.without, self.used = self._mix(self.without, (tokens, seconds), self.counts[1]), 0
             if not self.pays():
                 self.probe = self.explore_every
             elif probed:
@@ -111,10 +122,13 @@ class ModelGate:
     def skip(self) -> None:
         self.skipped += 1
 
-    def _mix(self, avg: list[float] | None, new: tuple[float, float]) -> list[float]:
+    def _mix(self, avg: list[float] | None, new: tuple[float, float], n: int) -> list[float]:
+        """The n-th round into an average: the mean of the rounds so far, then an exponential
+        average once 1 / n falls below `weight` (a first round alone does not set it)."""
         if avg is None:
             return list(new)
-        return [a + self.weight * (x - a) for a, x in zip(avg, new)]
+        w = max(self.weight, 1.0 / n)
+        return [a + w * (x - a) for a, x in zip(avg, new)]
 
 
 class HybridDrafter:
