@@ -174,3 +174,15 @@ issue19_twin wave21
 # turn (--pairing steps, the default), so the machine's drift falls on every side of a ratio alike.
 issue19_twin wave22
 drafters_twin wave22
+# Wave 23: ModelGate measures both sides in turn before comparing them (the hybrid only): issue 19's
+# table again, and the drafter table's suffix and hybrid rows.
+issue19_twin wave23
+for w in echo plain; do
+  g=8; [ "$w" = plain ] && g=4
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters suffix,hybrid \
+    --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma "$g" --workload "$w" \
+    --json "docs/results/wave23_adaptive_$w.json"
+done
+# `batchspec generate`'s own workload as a bench table (waves 22 and 23: wave22_default.json, wave23_default.json)
+batchspec bench --methods autoregressive,eqspec --batch-sizes 8 --gamma 4 --drafters hybrid --adaptive off,on --twin \
+  --num-prompts 8 --max-new-tokens 128 --repeat 5 --json docs/results/wave23_default.json
