@@ -234,19 +234,20 @@ class Bench:
                 continue
             for bs, group in groupby(order, key=lambda c: c.batch_size):
                 group = list(group)
-                ours = [c for c in group if c.method in OURS]
-                peers = [c for c in group if c.method not in OURS]
-                for part in ((ours, peers) if r % 2 == 0 else (peers, ours)):
-                    if part is ours and ours:
-                        self.progress(f"repeat {r + 1}/{repeat} bs={bs}: {len(ours)} engines in turn", done, total)
-                        for cell, run in self.run_together(ours).items():
-                            runs[cell].append(run)
-                        done += len(ours)
-                    elif part is peers:
-                        for cell in peers:
-                            self.progress(f"repeat {r + 1}/{repeat} {cell.label}", done, total)
-                            runs[cell].append(self.run(cell))
-                            done += 1
+                together = [[c for c in group if c.method in OURS]]  # our engines, one job; each peer its own
+                alone = [[c] for c in group if c.method not in OURS]
+                for job in (together + alone if r % 2 == 0 else alone + together):
+                    if not job:  # a batch size with peers only
+                        continue
+                    if job[0].method in OURS:
+                        self.progress(f"repeat {r + 1}/{repeat} bs={bs}: {len(job)} engines in turn", done, total)
+                        results = self.run_together(job)
+                    else:
+                        self.progress(f"repeat {r + 1}/{repeat} {job[0].label}", done, total)
+                        results = {job[0]: self.run(job[0])}
+                    for cell in job:
+                        runs[cell].append(results[cell])
+                    done += len(job)
         self.progress("done", done, total)
         return runs
 
