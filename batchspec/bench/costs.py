@@ -18,7 +18,7 @@ import time
 import torch
 
 from .. import cache
-from ..core.forward import make_forward
+from ..core.forward import LEAN_REVISION, make_forward
 from ..core.rows import RowBatch, RowKV
 from ..core.runner import kv_shape, row_inputs
 
@@ -97,7 +97,8 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
                    for m in (target, draft) if m is not None]
         path = cache.profile_path(target, draft, {"rows": rows, "cols": cols, "context": context,
                                                        "forward": forward, "repeats": repeats, "estimator": "min",
-                                                       "catch_up": CATCH_UP, "kernels": kernels})
+                                                       "catch_up": CATCH_UP, "kernels": kernels,
+                                                       "lean": LEAN_REVISION})
         cached = cache.load(path)
         if cached is not None and not _stale(cached, target, rows, context, forward):
             _PROFILES[key] = cached
