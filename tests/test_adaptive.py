@@ -429,14 +429,37 @@ def test_a_catch_up_round_does_not_speak_for_speculation():
 
 def test_a_plain_plan_stands_for_the_same_requests_a_few_rounds():
     """Where drafting does not pay, the same batch's next rounds are plain without replanning,
-    up to `replan_every` rounds; other requests are planned."""
+    up to `replan_every` rounds; other requests are planned. α 0.15 at 2 rows: a free draft
+    would pay (1.15 tokens a row for 12.3 ms against 1 for 11.4), one that costs a 2 ms step not."""
     c = cost(draft=0.002, v1=0.020, v4=0.032)
     policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
     key = ("a", "b")
-    assert policy.plan([0.05] * 2, [3] * 2, key=key) == [0, 0]
+    assert policy.may_speculate([0.15] * 2, [3] * 2) and policy.plan([0.15] * 2, [3] * 2, key=key) == [0, 0]
     assert [policy.plain_now(key) for _ in range(policy.replan_every + 1)] == [True] * policy.replan_every + [False]
     assert not policy.plain_now(("a", "c"))
     assert any(policy.plan([0.8] * 2, [3] * 2, key=key)) and not policy.plain_now(key)
+
+
+def test_a_plan_plain_even_with_free_drafts_stands_longer():
+    """A plain plan that free drafts would not turn (α 0.05) is settled: it stands
+    `settled_rounds` rounds for the same requests, whether `plan` found it (a draft model) or
+    `may_speculate` did given the key (a hybrid's bound before its lookups), then it is made again.
+    Made with lookups' lengths as caps (`settle=False`) it is not: those change every round."""
+    c = cost(draft=0.002, v1=0.020, v4=0.032)
+    key = ("a", "b")
+    for decide in (lambda p: p.plan([0.05] * 2, [3] * 2, key=key) == [0, 0],
+                   lambda p: not p.may_speculate([0.05] * 2, [3] * 2, key=key)):
+        policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
+        assert decide(policy) and policy.last["draft_s"] == 0.0
+        n = policy.settled_rounds
+        assert n > policy.replan_every and [policy.plain_now(key) for _ in range(n + 1)] == [True] * n + [False]
+        assert not policy.plain_now(("a", "c"))
+    policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
+    assert policy.plan([0.05] * 2, [1] * 2, key=key, settle=False) == [0, 0]
+    kept = [policy.plain_now(key) for _ in range(policy.replan_every + 1)]
+    assert kept == [True] * policy.replan_every + [False]
+    policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
+    assert not policy.may_speculate([0.05] * 2, [3] * 2) and not policy.plain_now(key)  # (no key: a question only)
 
 
 def test_a_plain_plan_stands_only_as_long_as_planning_costs():
@@ -450,7 +473,7 @@ def test_a_plain_plan_stands_only_as_long_as_planning_costs():
         policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
         policy.planned(8, planning_s)
         assert policy.keep_rounds(8) == kept and policy.keep_rounds(2) == policy.replan_every  # (not timed)
-        assert policy.plan([0.05] * 8, [3] * 8, key=key) == [0] * 8
+        assert policy.plan([0.05] * 8, [3] * 8, key=key, settle=False) == [0] * 8  # (not settled: see below)
         assert [policy.plain_now(key) for _ in range(kept + 1)] == [True] * kept + [False]
 
 
@@ -467,6 +490,24 @@ def test_a_speculative_round_is_charged_the_plan_a_plain_one_would_keep():
         assert policy.replan_s(8) == pytest.approx(charged)
         assert any(policy.plan([0.4] * 8, [3] * 8)) == (charged == 0.0)
         assert any(policy.plan([0.7] * 8, [3] * 8))
+
+
+def test_whether_fresh_requests_draft_follows_what_the_rounds_at_that_batch_size_did():
+    """`speculates` (whether the draft model prefills new requests): the prediction for fresh
+    requests until `record_rounds` rounds of that batch size ran, then their record: plain rounds
+    turn it off (there, not at other batch sizes), rounds that verify drafts on again."""
+    policy = exact_policy(cost(), gamma_max=3, prior=0.8)
+    assert policy.speculates(8) and policy.speculates(1)  # predicted: a fresh plan drafts
+    for _ in range(policy.record_rounds - 1):
+        policy.observe([0] * 8, [0] * 8, None, 0.02, 0.0)
+    assert policy.speculates(8)  # (not enough rounds yet)
+    policy.observe([0] * 8, [0] * 8, None, 0.02, 0.0)
+    assert not policy.speculates(8) and not policy.speculates(12) and policy.speculates(4)  # (8-15 rows alike)
+    rounds = 0
+    while not policy.speculates(8):
+        policy.observe([1] * 8, [2] * 8, None, 0.02, 0.0)
+        rounds += 1
+    assert rounds == 1  # a weight of 0.05: one round in twenty is enough to prefill
 
 
 def test_a_catch_up_is_priced_per_token_fed():
@@ -520,11 +561,12 @@ def test_drafting_stops_where_the_next_draft_is_not_worth_a_step():
     assert policy.cut([fresh, fresh], 2, [[0.2, 0.2], [0.95, 0.95]], [4, 4]) == [2, 4]
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "hybrid"])
+@pytest.mark.parametrize("drafter", ["draft_model", "hybrid:suffix:20,2"])
 def test_rows_cut_short_between_draft_steps_stay_exact(drafter):
     """Rows the policy stops between draft steps (`DraftModelDrafter.stop`; here forced: even rows
     after one draft, the others after two) verify only what was drafted, and the draft model
-    commits only what it was fed (a commit beyond that raises): greedy output stays exact."""
+    commits only what it was fed (a commit beyond that raises): greedy output stays exact. (The
+    hybrid's lookup proposes at most 2 tokens here, as the cut model rows draft.)"""
     p = pair("llama", "perturbed")
     ids = prompts(12, seed=3)
     refs = references(p, ids, 16)

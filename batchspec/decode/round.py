@@ -53,20 +53,23 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     u = None if sampling.all_greedy else draw_uniforms([r.generator for r in batch], 2 * gamma + 1, device)
     lengths = draft_lengths(batch, gamma, target.rope_limit)
     policy = engine.policy  # adaptive lengths and TETRIS budgets (sched/adaptive.py), or None: fixed γ
-    key = tuple(map(id, batch))  # the requests in this round, for the policy's shortcut to a plain round
+    # the requests in this round and whether any wait (a plan weighs rows otherwise when none do),
+    # for the policy's shortcut to a plain round
+    draining = engine.num_waiting() == 0
+    key = (*map(id, batch), draining)
     indexed_s = getattr(engine.drafter, "catch_up_s", 0.0)  # a lookup's catch-up so far (drafters/ngram.py)
     held = None  # seeded sampled rows keep their fixed-γ length (see the module docstring)
     looked = None  # a hybrid drafter's lookups, done before the plan (below)
     if policy is not None and not sampling.all_greedy:
         held = [n if r.params.seed is not None and not r.params.greedy else 0 for r, n in zip(batch, lengths)]
         held = held if any(held) else None
-    if policy is not None and held is None and policy.plain_now(key):  # plain: due, or just planned for them
+    if policy is not None and held is None and policy.plain_now(key, len(batch)):  # plain: due, or planned for them
         lengths = policy.plain(len(batch))
         before = dict(timer.totals)
     elif policy is not None:
         alphas = [policy.alpha(r.stats.first_accepted, r.stats.first_drafted) for r in batch]
         weights = None
-        if engine.num_waiting() == 0:  # draining: the batch lasts as long as its longest request
+        if draining:  # the batch lasts as long as its longest request
             most = max(r.remaining for r in batch)
             weights = [r.remaining / most for r in batch]
         # refilling: a row that ends apart from its cohort costs a prefill forward of its own
@@ -85,19 +88,22 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
         # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
         lookups = hasattr(engine.drafter, "lookahead")
-        if lookups and policy.may_speculate(alphas, lengths, weights, held, index_s, split):
+        if lookups and not policy.may_speculate(alphas, lengths, weights, held, index_s, split, key=key):
+            lengths = [0] * len(batch)  # not even free drafts would pay: that is the plan (a plain one)
+        elif lookups:
             with timer.stage("draft"):
                 looked = engine.drafter.lookahead(batch, lengths)
             lengths = [n if f is None else min(n, f) for n, f in zip(lengths, looked)]
             held = [min(h, n) for h, n in zip(held, lengths)] if held is not None else None
             if first_fed is not None:
                 first_fed = [f if by is None else 0.0 for f, by in zip(first_fed, looked)]
-        # a plain plan is kept for the same requests (`plain_now`), but not one made because no
-        # lookup found anything: that changes from round to round
-        keep = looked is None or any(lengths)
-        lengths = policy.plan(alphas, lengths, weights, first_fed, key=key if keep else None, held=held,
-                              index_s=index_s if looked is None else 0.0,  # (done by the lookahead)
-                              split_s=split)
+            # a plain plan is kept for the same requests (`plain_now`), but not one made because no
+            # lookup found anything, and never as settled: what lookups find changes from round to round
+            lengths = policy.plan(alphas, lengths, weights, first_fed, key=key if any(lengths) else None, held=held,
+                                  split_s=split, settle=False)  # (the lookahead did the indexing)
+        else:
+            lengths = policy.plan(alphas, lengths, weights, first_fed, key=key, held=held, index_s=index_s,
+                                  split_s=split)
         policy.planned(len(batch), time.perf_counter() - planning)
     g = max(lengths)
 

@@ -381,8 +381,15 @@ class AdaptivePolicy:
     guard: SpecGuard = field(default_factory=SpecGuard)  # what the cost model misses, per batch size
     replan_every: int = 8  # see `plain_now`
     replan_share: float = 0.02  # see `keep_rounds`
+    settled_rounds: int = 64  # see `plain_now`
+    # rows bucket -> [share of rounds that verified drafts (exponential average), rounds]: `speculates`
+    _drafting: dict = field(default_factory=dict, repr=False)
+    record_rounds: int = 16
+    record_share: float = 0.05
+    record_weight: float = 0.05
     _planning: dict = field(default_factory=dict, repr=False)  # batch-size bucket -> seconds a plan takes
-    _memo: list | None = field(default=None, repr=False)  # [key, rounds since, kept plain by the guard]
+    # the last plain plan: [key, rounds since, kept plain by the guard, settled (see `plain_now`)]
+    _memo: list | None = field(default=None, repr=False)
     # accepted drafts and what the estimates expected of them, exponential averages over speculative
     # rounds, and how many rounds they rest on
     _realised: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0], repr=False)
@@ -517,7 +524,8 @@ class AdaptivePolicy:
     # ------------------------------------------------------------------ decisions
     def plan(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
              first_fed: list[float] | None = None, key: tuple | None = None,
-             held: list[int] | None = None, index_s: float = 0.0, split_s: list[float] | None = None) -> list[int]:
+             held: list[int] | None = None, index_s: float = 0.0, split_s: list[float] | None = None,
+             settle: bool = True) -> list[int]:
         """How many tokens each row drafts this round (row i at most caps[i]). weights[i] (default
         1) is what a token of row i is worth: when nothing waits for a row, the batch lasts as long
         as its longest request, so the round passes weigh rows by the work they have left; a row
@@ -530,7 +538,8 @@ class AdaptivePolicy:
         anyway, so the plan only chooses what the other rows add to it. index_s: seconds a
         lookup drafter would index before drafting (its share: `LookupDrafter.index_s`), charged
         to a speculative round. split_s[i] (default 0): seconds charged if row i verifies a draft
-        (see `split_s`)."""
+        (see `split_s`). settle: a plain plan may be found settled (see `plain_now`); not when
+        caps are what a lookup found this round (they change from round to round)."""
         if self.cost is None:
             return list(caps)
         b = len(caps)
@@ -539,7 +548,12 @@ class AdaptivePolicy:
         lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed, held, index_s, split_s)
         if blocked:
             self.guard.kept_plain(b)
-        self._memo = [key, 0, blocked] if key is not None and not any(lengths) else None
+        self._memo = None
+        if key is not None and not any(lengths):
+            settled = settle and not blocked and (
+                first_fed is not None and not any(first_fed)  # (priced free already)
+                or not any(self._best_lengths(alphas, caps, weights, [0.0] * b, held, index_s, split_s)[0]))
+            self._memo = [key, 0, blocked, settled]
         self.last = {"rows": b, "draft_s": self.draft_s(b, self._fed(lengths, first_fed)),
                      "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
         return lengths
@@ -550,20 +564,25 @@ class AdaptivePolicy:
         self.last = {"rows": rows, "draft_s": 0.0, "verify_s": self.cost.verify(rows, 1)}
         return [0] * rows
 
-    def plain_now(self, key: tuple) -> bool:
+    def plain_now(self, key: tuple, rows: int | None = None) -> bool:
         """Whether the round of the requests `key` is plain without planning it: a plain round is
         due (the guard measures that side), or the same requests' last plan was plain fewer than
-        `keep_rounds` rounds ago. Nothing a plan rests on moves much in a few plain rounds (they
-        change no acceptance record), and a plan is not free: ~0.3 ms at 64 rows (~1.5 ms, 3 % of a
-        plain round there, before `CostModel.round_seconds`), more with a hybrid's lookups."""
+        `keep_rounds` rounds ago, or fewer than `settled_rounds` if it was settled: plain even
+        had every row drafted for free (no draft step, no lookup to wait for). Nothing a plan rests
+        on moves much in a few plain rounds (they change no acceptance record), and a settled plan
+        could only turn if the costs or the acceptance record moved far, which plain rounds do not
+        do. A plan is not free: ~0.3 ms at 64 rows (~1.5 ms, 3 % of a plain round there, before
+        `CostModel.round_seconds`), more with a hybrid's lookups; kept `keep_rounds`, replanning
+        costs `replan_share` (2 %) of the plain rounds, and kept 64 rounds, almost nothing (at 8
+        to 64 rows on the bundled prompts, where the default runs nearly every round plain)."""
         if self.cost is None:
             return False
-        rows = len(key)
+        rows = len(key) if rows is None else rows  # (a key may carry more than the requests)
         if self.guard.plain_due(rows):
             return True
         memo = self._memo
-        if memo is None or memo[0] != key or memo[1] >= self.keep_rounds(rows) or \
-                (memo[2] and self.guard.exploring(rows)):
+        if memo is None or memo[0] != key or (memo[2] and self.guard.exploring(rows)) or \
+                memo[1] >= (self.settled_rounds if memo[3] else self.keep_rounds(rows)):
             return False
         memo[1] += 1
         if memo[2]:
@@ -691,20 +710,41 @@ class AdaptivePolicy:
         return [g[:n] for g, n in zip(gains, lengths)]
 
     def may_speculate(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
-                      held: list[int] | None = None, index_s: float = 0.0, split_s: list[float] | None = None) -> bool:
+                      held: list[int] | None = None, index_s: float = 0.0, split_s: list[float] | None = None,
+                      key: tuple | None = None) -> bool:
         """Whether `plan` could speculate if no row's drafting cost a draft step (an upper bound: a
         hybrid drafter's lookups, which bound lengths and make rows free, cost time of their own,
         so they are done only when they can change a plain plan), the indexing `index_s` charged
-        as in `plan`."""
+        as in `plan`. Given the batch's `key`, a no is the round's plan: a plain one, recorded as
+        `plan` records one (settled unless the guard's penalty made it: see `plain_now`), so the
+        caller runs the round plain without planning it again."""
         if self.cost is None or any(held or ()):
             return True
-        return any(self._best_lengths(alphas, caps, weights, [0.0] * len(caps), held, index_s, split_s)[0])
+        b = len(caps)
+        lengths, blocked = self._best_lengths(alphas, caps, weights, [0.0] * b, held, index_s, split_s)
+        if any(lengths):
+            return True
+        if key is not None:
+            if blocked:
+                self.guard.kept_plain(b)
+            self._memo = [key, 0, blocked, not blocked]
+            self.plain(b)
+        return False
 
     def speculates(self, rows: int) -> bool:
-        """Whether a batch of `rows` fresh requests would draft at all (else the draft model's
-        prefill waits: the drafter catches up if and when a row drafts, and `plan` prices that)."""
+        """Whether a batch of `rows` requests will draft at all (else the draft model's prefill
+        waits: the drafter catches up if and when a row drafts, and `plan` prices that). What
+        the rounds at that batch size did, once `record_rounds` of them ran: drafts verified in at
+        least `record_share` of them, by an exponential average (`observe`); before that, whether
+        a plan for fresh requests would draft. The prediction alone missed what rounds weigh and a
+        fresh plan does not (a cohort's refill, the guard's penalty once measured): the draft
+        model at 32 rows on the echo workload prefilled every prompt, 11 % more prefill time, and
+        verified drafts in 1 row-round of 1473."""
         if self.cost is None:
             return True
+        record = self._drafting.get(rows_bucket(rows))
+        if record is not None and record[1] >= self.record_rounds:
+            return record[0] >= self.record_share
         return any(self._best_lengths([self.alpha(0, 0)] * rows, [self.gamma_max] * rows, None, None)[0])
 
     def observe(self, accepted: list[int], verified: list[int], confidence: list[list[float]] | None,
@@ -715,6 +755,9 @@ class AdaptivePolicy:
         the draft model first fed what it had missed (`DraftProposal.caught_up`)."""
         while len(self._positions) < self.gamma_max:
             self._positions.append([0.0, 0.0])
+        record = self._drafting.setdefault(rows_bucket(len(verified)), [0.0, 0])
+        record[1] += 1
+        record[0] += max(self.record_weight, 1 / record[1]) * (any(verified) - record[0])
         for i, (a, n) in enumerate(zip(accepted, verified)):
             for j in range(min(a + 1, n)):  # d_1..d_min(a+1, n) were reached; the first a accepted
                 self._positions[j][1] += 1
