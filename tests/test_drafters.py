@@ -40,6 +40,7 @@ from batchspec.drafters import (
     parse_drafter,
     split_drafters,
 )
+from batchspec.drafters import suffix as suffix_module
 from batchspec.drafters.base import DraftProposal
 from batchspec.drafters.hybrid import ModelGate
 from batchspec.drafters.ngram import NgramDrafter, NgramIndex
@@ -175,9 +176,9 @@ def test_most_frequent_path_docstring_example():
         trie.add(seq)
     # under 1: 7 x4, 9 x1; under (1, 7): 4 x2, 5 x2 -> a tie, the smaller id
     at = [(trie, trie.find([1]))]
-    assert most_frequent_path(at, 5, 0.25) == [7, 4]
-    assert most_frequent_path(at, 5, 0.5) == [7]
-    assert most_frequent_path(at, 1, 0.0) == [7]
+    assert most_frequent_path(at, 5, 0.25)[0] == [7, 4]
+    assert most_frequent_path(at, 5, 0.5)[0] == [7]
+    assert most_frequent_path(at, 1, 0.0)[0] == [7]
 
 
 @settings(max_examples=100, deadline=None)
@@ -231,13 +232,30 @@ def test_suffix_proposes_the_most_frequent_continuation():
     assert propose(SuffixDrafter(CPU, 6, 2, 0.5), [request(tokens)], 2) == [[C, A]]  # 2/3, then 2/3 x 1
     assert propose(SuffixDrafter(CPU, 6, 2, 0.7), [request(tokens)], 2) == [[]]  # 2/3 < 0.7
     drafter = SuffixDrafter(CPU, depth=12, k=6, min_prob=0.3)
-    # seen once, a copy is proposed, at most as long as the match: (A, B, C, D) -> E A B C
+    # seen once, a copy is proposed, at most twice as long as the match: (A, B, C, D) -> E A B C
     assert propose(drafter, [request([A, B, C, D, E, A, B, C, D], 1)], 4) == [[E, A, B, C]]
-    assert propose(drafter, [request([A, B, C, D, E, A, B], 2)], 4) == [[C, D]]  # no longer than the match
+    assert propose(drafter, [request([A, B, C, D, E, A, B], 2)], 6) == [[C, D, E, A]]  # (A, B): 4 of 6
     assert propose(drafter, [request([A, B, C, D, E, A], 5)], 4) == [[]]  # one token is too weak a match
     assert propose(drafter, [request([A, B, C], 3)], 4) == [[]]  # the suffix itself is no match
     # overlapping occurrences count; the continuation ends where the known tokens end
     assert propose(drafter, [request([A, A, A, A], 4)], 2) == [[A]]  # (A, A, A) then A, once
+
+
+def test_a_suffix_proposal_longer_than_a_segment_is_matched_again(monkeypatch):
+    """A walk goes at most `SEGMENT` tokens below its match (the trie is only so deep); a
+    proposal allowed to be longer matches the row's tokens plus what it proposed so far again and
+    goes on. Depth 5, segments of 2, so matches of at most 3: (A, B, C) -> D E, then (C, D, E) -> F G,
+    then (E, F, G) -> A B (6 = twice the first match); without matching again the walk would end at
+    the trie's depth, after D E."""
+    monkeypatch.setattr(suffix_module, "SEGMENT", 2)
+    F, G = 15, 16
+    tokens = [A, B, C, D, E, F, G, A, B, C]
+    assert propose(SuffixDrafter(CPU, depth=5, k=6, min_prob=0.1), [request(tokens)], 6) == [[D, E, F, G, A, B]]
+    assert propose(SuffixDrafter(CPU, depth=5, k=3, min_prob=0.1), [request(tokens)], 6) == [[D, E, F]]  # k caps it
+    # the probability runs on across segments: after (C, D, E), F once and G once -> 1/2 < 0.6
+    forked = [A, B, C, D, E, F, C, D, E, G, A, B, C]
+    assert propose(SuffixDrafter(CPU, depth=5, k=3, min_prob=0.6), [request(forked)], 6) == [[D, E]]
+    assert propose(SuffixDrafter(CPU, depth=5, k=3, min_prob=0.4), [request(forked)], 6) == [[D, E, F]]
 
 
 def test_suffix_shares_finished_requests_and_evicts_the_oldest():
@@ -246,7 +264,7 @@ def test_suffix_shares_finished_requests_and_evicts_the_oldest():
     first.finish_reason = FinishReason.LENGTH
     drafter.release(first)
     assert drafter.shared.tokens == 6
-    assert propose(drafter, [request([E, B, C], 1)], 3) == [[D, E]]  # from the shared trie
+    assert propose(drafter, [request([E, B, C], 1)], 3) == [[D, E, A]]  # from the shared trie
     sampled = request([E, B, C], 7)
     sampled.params = SamplingParams(temperature=1.0, max_new_tokens=100)
     assert propose(drafter, [sampled], 3) == [[]]  # a sampled row reads its own tokens only
@@ -259,7 +277,7 @@ def test_suffix_shares_finished_requests_and_evicts_the_oldest():
     drafter.release(second)  # 6 + 5 > 10: the first request is evicted
     assert drafter.shared.tokens == 5 and len(drafter.shared.sequences) == 1
     assert propose(drafter, [request([E, B, C], 4)], 3) == [[]]
-    assert propose(drafter, [request([A, D, E], 5)], 3) == [[E, E]]
+    assert propose(drafter, [request([A, D, E], 5)], 3) == [[E, E, E]]
     drafter.shared.add([A] * 30)  # longer than the budget: only its newest 10 tokens are kept
     assert drafter.shared.tokens == 10 and node_counts(drafter.shared)[(A,)] == 10
     hybrid_on_it = HybridDrafter(None, drafter)
@@ -282,13 +300,13 @@ def test_suffix_merges_own_and_shared_counts():
 def test_registry_parses_and_refuses_clearly():
     assert parse_drafter("draft_model") == ("draft_model", None)
     assert parse_drafter("oracle:0.7") == ("oracle", 0.7)
-    assert parse_drafter("ngram") == ("ngram", (2, 4, 10))
-    assert parse_drafter("ngram:1,3") == ("ngram", (1, 3, 10))
+    assert parse_drafter("ngram") == ("ngram", (2, 4, 16))
+    assert parse_drafter("ngram:1,3") == ("ngram", (1, 3, 16))
     assert parse_drafter("suffix:8,4,0.5,100") == ("suffix", (8, 4, 0.5, 100))
     assert parse_drafter("hybrid") == ("hybrid", parse_drafter(hybrid.LOOKUP))  # built on the default lookup
-    assert parse_drafter("hybrid:ngram:1,3") == parse_drafter("hybrid:1,3") == ("hybrid", ("ngram", (1, 3, 10)))
+    assert parse_drafter("hybrid:ngram:1,3") == parse_drafter("hybrid:1,3") == ("hybrid", ("ngram", (1, 3, 16)))
     assert parse_drafter("hybrid:suffix:8,4") == ("hybrid", ("suffix", (8, 4, 0.25, 1 << 16)))
-    for spec, message in [("ngram:3,2", "min_n <= max_n"), ("ngram:x", "ngram:2,4,10"),
+    for spec, message in [("ngram:3,2", "min_n <= max_n"), ("ngram:x", "ngram:2,4,16"),
                           ("ngram:1,2,3,4", "ngram\\[:min_n,max_n,k\\]"), ("suffix:4,4", "depth > k"),
                           ("suffix:8,4,2", "min_prob in \\[0, 1\\]"), ("draft_model:1", "takes no arguments"),
                           ("oracle", "oracle:0.7"), ("beam", "choose one of draft_model, ngram"),
@@ -313,7 +331,7 @@ def test_engine_uses_the_registry():
     with_draft = ModelPair(target, loopy()[0].draft, None, VOCAB, ())
     engine = SpecEngine(with_draft, EngineConfig(drafter="ngram", max_kv_tokens=512))
     assert engine.draft_runner is None  # a model-free drafter allocates nothing for the draft model
-    assert engine.drafter.label == "ngram:2,4,10" and not engine.drafter.synthetic
+    assert engine.drafter.label == "ngram:2,4,16" and not engine.drafter.synthetic
     oracle = SpecEngine(with_draft, EngineConfig(drafter="oracle:0.5", max_kv_tokens=512))
     assert oracle.drafter.synthetic and oracle.draft_runner is not None  # runs the draft model for its cost
     assert SpecEngine(with_draft, EngineConfig(max_kv_tokens=512)).drafter.label == \
@@ -329,7 +347,7 @@ def test_cli_model_free_drafter_needs_no_draft(tiny_dirs):
             "--max-new-tokens", "6", "--quiet"]
     result = CliRunner().invoke(app, base + ["--drafter", "ngram:1,3,4"])
     assert result.exit_code == 0 and "eqspec" in result.output, result.output
-    for drafter, message in (("hybrid", "needs --draft"), ("ngram:4,1", "e.g. ngram:2,4,10")):
+    for drafter, message in (("hybrid", "needs --draft"), ("ngram:4,1", "e.g. ngram:2,4,16")):
         result = CliRunner().invoke(app, base + ["--drafter", drafter])
         assert result.exit_code == 2 and message in result.output, result.output
 

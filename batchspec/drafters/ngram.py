@@ -23,7 +23,7 @@ from ..core.request import Request
 from ..sampling import BatchSampling
 from .base import DraftProposal
 
-MIN_N, MAX_N, K = 2, 4, 10  # defaults: bigrams are the weakest match worth a verify column
+MIN_N, MAX_N, K = 2, 4, 16  # defaults: bigrams are the weakest match worth a verify column
 
 
 class NgramIndex:
