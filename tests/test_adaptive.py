@@ -436,6 +436,10 @@ def test_a_plain_plan_stands_for_the_same_requests_a_few_rounds():
     key = ("a", "b")
     assert policy.may_speculate([0.15] * 2, [3] * 2) and policy.plan([0.15] * 2, [3] * 2, key=key) == [0, 0]
     assert [policy.plain_now(key) for _ in range(policy.replan_every + 1)] == [True] * policy.replan_every + [False]
+    best, calls = policy._best_lengths, []
+    policy._best_lengths = lambda *args: calls.append(args) or best(*args)
+    assert policy.plan([0.15] * 2, [3] * 2, key=key) == [0, 0] and len(calls) == 1  # (not settled: known)
+    policy._best_lengths = best
     assert not policy.plain_now(("a", "c"))
     assert any(policy.plan([0.8] * 2, [3] * 2, key=key)) and not policy.plain_now(key)
 
@@ -503,11 +507,15 @@ def test_whether_fresh_requests_draft_follows_what_the_rounds_at_that_batch_size
     assert policy.speculates(8)  # (not enough rounds yet)
     policy.observe([0] * 8, [0] * 8, None, 0.02, 0.0)
     assert not policy.speculates(8) and not policy.speculates(12) and policy.speculates(4)  # (8-15 rows alike)
+    for _ in range(10):  # a round in which one row of 8 explores a draft, now and then
+        policy.observe([0] * 8, [1] + [0] * 7, None, 0.02, 0.0)
+        policy.observe([0] * 8, [0] * 8, None, 0.02, 0.0)
+    assert not policy.speculates(8)  # (a share of the rows, not of rounds: 1 in 16)
     rounds = 0
     while not policy.speculates(8):
         policy.observe([1] * 8, [2] * 8, None, 0.02, 0.0)
         rounds += 1
-    assert rounds == 1  # a weight of 0.05: one round in twenty is enough to prefill
+    assert rounds == 2  # every row drafting, at a weight of 0.05: from ~0.06 (the explorations) to 0.11
 
 
 def test_a_catch_up_is_priced_per_token_fed():

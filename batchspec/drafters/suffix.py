@@ -153,7 +153,7 @@ class SuffixDrafter(LookupDrafter):
             at.append((shared, found))
         cap = min(limit, MATCH_FACTOR * m)
         out, score = most_frequent_path(at, min(cap, segment), self.min_prob)
-        while len(out) < cap and len(out) % segment == 0:  # a whole segment walked: match again, go on
+        while out and len(out) < cap and len(out) % segment == 0:  # a whole segment walked: match again
             at = self._rematch(tokens + out, own, shared, longest)
             more, score = most_frequent_path(at, min(cap - len(out), segment), self.min_prob, score)
             if not more:

@@ -382,10 +382,10 @@ class AdaptivePolicy:
     replan_every: int = 8  # see `plain_now`
     replan_share: float = 0.02  # see `keep_rounds`
     settled_rounds: int = 64  # see `plain_now`
-    # rows bucket -> [share of rounds that verified drafts (exponential average), rounds]: `speculates`
+    # rows bucket -> [share of rows that verified drafts (exponential average over rounds), rounds]: `speculates`
     _drafting: dict = field(default_factory=dict, repr=False)
     record_rounds: int = 16
-    record_share: float = 0.05
+    record_share: float = 0.1
     record_weight: float = 0.05
     _planning: dict = field(default_factory=dict, repr=False)  # batch-size bucket -> seconds a plan takes
     # the last plain plan: [key, rounds since, kept plain by the guard, settled (see `plain_now`)]
@@ -548,9 +548,11 @@ class AdaptivePolicy:
         lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed, held, index_s, split_s)
         if blocked:
             self.guard.kept_plain(b)
-        self._memo = None
+        memo, self._memo = self._memo, None
         if key is not None and not any(lengths):
-            settled = settle and not blocked and (
+            # (a plain plan for the same requests found unsettled before is again: plain rounds
+            # change nothing it rests on, and the check costs what the plan does)
+            settled = settle and not blocked and not (memo is not None and memo[0] == key and not memo[3]) and (
                 first_fed is not None and not any(first_fed)  # (priced free already)
                 or not any(self._best_lengths(alphas, caps, weights, [0.0] * b, held, index_s, split_s)[0]))
             self._memo = [key, 0, blocked, settled]
@@ -732,14 +734,16 @@ class AdaptivePolicy:
         return False
 
     def speculates(self, rows: int) -> bool:
-        """Whether a batch of `rows` requests will draft at all (else the draft model's prefill
-        waits: the drafter catches up if and when a row drafts, and `plan` prices that). What
-        the rounds at that batch size did, once `record_rounds` of them ran: drafts verified in at
-        least `record_share` of them, by an exponential average (`observe`); before that, whether
-        a plan for fresh requests would draft. The prediction alone missed what rounds weigh and a
-        fresh plan does not (a cohort's refill, the guard's penalty once measured): the draft
-        model at 32 rows on the echo workload prefilled every prompt, 11 % more prefill time, and
-        verified drafts in 1 row-round of 1473."""
+        """Whether a batch of `rows` requests will draft enough to prefill the draft model (else
+        its prefill waits: the drafter catches up on a row if and when it drafts for it, and
+        `plan` prices that). What the rounds at that batch size did, once `record_rounds` of them
+        ran: drafts verified in at least `record_share` of their rows, by an exponential average
+        (`observe`); before that, whether a plan for fresh requests would draft. The prediction
+        alone missed what rounds weigh and a fresh plan does not (a cohort's refill, the guard's
+        penalty once measured): the draft model at 32 rows on the echo workload prefilled every
+        prompt, 11 % more prefill time, and verified drafts in 1 row-round of 1473. Counted by
+        rounds instead of rows, the rare round that explores speculation turned the prefill on
+        again (17 row-rounds of 1464 drafted there, and prefill took 15 % longer)."""
         if self.cost is None:
             return True
         record = self._drafting.get(rows_bucket(rows))
@@ -757,7 +761,8 @@ class AdaptivePolicy:
             self._positions.append([0.0, 0.0])
         record = self._drafting.setdefault(rows_bucket(len(verified)), [0.0, 0])
         record[1] += 1
-        record[0] += max(self.record_weight, 1 / record[1]) * (any(verified) - record[0])
+        drafted = sum(1 for n in verified if n) / max(1, len(verified))
+        record[0] += max(self.record_weight, 1 / record[1]) * (drafted - record[0])
         for i, (a, n) in enumerate(zip(accepted, verified)):
             for j in range(min(a + 1, n)):  # d_1..d_min(a+1, n) were reached; the first a accepted
                 self._positions[j][1] += 1
