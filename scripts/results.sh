@@ -186,3 +186,21 @@ done
 # `batchspec generate`'s own workload as a bench table (waves 22 and 23: wave22_default.json, wave23_default.json)
 batchspec bench --methods autoregressive,eqspec --batch-sizes 8 --gamma 4 --drafters hybrid --adaptive off,on --twin \
   --num-prompts 8 --max-new-tokens 128 --repeat 5 --json docs/results/wave23_default.json
+# Wave 24: settled plain plans, transposed views in the lean forward, suffix proposals matched again
+# (k 16): issue 19's table, the drafter tables (the draft_model rows again in a run of their own, after
+# the draft prefill's record counted rows), batch 1 on echo with γ ≤ 16, generate's workload, verify.
+issue19_twin wave24
+drafters_twin wave24
+for w in echo plain; do
+  g=8; [ "$w" = plain ] && g=4
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model \
+    --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma "$g" --workload "$w" \
+    --json "docs/results/wave24_adaptive_${w}_draft_model.json"
+done
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1 --drafters ngram,suffix,hybrid \
+  --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma 16 --workload echo \
+  --json docs/results/wave24_adaptive_echo_g16.json
+batchspec bench --methods autoregressive,eqspec --batch-sizes 8 --gamma 4 --drafters hybrid --adaptive off,on --twin \
+  --num-prompts 8 --max-new-tokens 128 --repeat 5 --json docs/results/wave24_default.json
+batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,2,8,32 --num-prompts 32 --max-new-tokens 64 \
+  --json docs/results/verify_wave24.json
