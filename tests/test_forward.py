@@ -225,7 +225,8 @@ def test_cuda_attention_leaves_out_cudnn(monkeypatch):
 @pytest.mark.parametrize("bias", [False, True])
 def test_matmul_equals_linear(shape, bias):
     """`matmul` (W @ x^T for a few tokens, one token fed as two) computes F.linear's numbers and shape,
-    on either side of its token threshold and for an empty input."""
+    on either side of its token threshold and for an empty input, also where its output is left
+    a transposed view (`contiguous=False`, the o_proj/down/gate-up outputs of the lean forward)."""
     torch.manual_seed(0)
     x, weight = torch.randn(*shape), torch.randn(40, 24)
     b = torch.randn(40) if bias else None
@@ -235,3 +236,6 @@ def test_matmul_equals_linear(shape, bias):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(matmul(x.double(), weight.double()), torch.nn.functional.linear(x.double(),
                                                                                               weight.double()))
+    view = matmul(x, weight, b, contiguous=False)  # (W @ x^T's transpose as it is, where that runs)
+    assert view.shape == expected.shape
+    torch.testing.assert_close(view, expected, rtol=1e-5, atol=1e-5)
