@@ -155,7 +155,7 @@ def drafter_spec(spec: str) -> DrafterSpec:
 
 def parse_drafter(spec: str) -> tuple[str, Any]:
     """'draft_model' -> ('draft_model', None); 'oracle:0.7' -> ('oracle', 0.7);
-    'ngram:2,4' -> ('ngram', (2, 4, 10)). Raises ValueError saying what is accepted."""
+    'ngram:2,4' -> ('ngram', (2, 4, 16)). Raises ValueError saying what is accepted."""
     name, _, arg = spec.partition(":")
     return name, drafter_spec(spec).parse(arg, spec)
 
