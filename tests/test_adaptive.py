@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny import pair, prompts, references
 
-from batchspec import EngineConfig, ModelPair, SamplingParams, SpecEngine
-from batchspec.core.request import PACE_WEIGHT
+from batchspec import EngineConfig, SamplingParams, SpecEngine
 from batchspec.drafters import model_drafter
 from batchspec.sched.adaptive import AdaptivePolicy, CostModel
 from batchspec.sched.tetris import cumulative
@@ -517,41 +516,6 @@ def test_whether_fresh_requests_draft_follows_what_the_rounds_at_that_batch_size
         policy.observe([1] * 8, [2] * 8, None, 0.02, 0.0)
         rounds += 1
     assert rounds == 2  # every row drafting, at a weight of 0.05: from ~0.06 (the explorations) to 0.11
-
-
-def test_a_draining_batch_weighs_rows_by_the_rounds_they_have_left():
-    """Nothing waits: the batch ends with the row that has the most rounds left (tokens left over
-    its pace), and a token of a row ahead counts (left / most) ** 4 (`drain_weights`). One row 40
-    tokens from its end accepting 0.5 (or 0.3), seven 20 (24) from theirs accepting 0.9: weighed
-    linearly (0.5, 0.6) the rows ahead drafted, alone in the second case, where their progress does
-    not end the batch sooner; now the row behind drafts, or the round is plain."""
-    policy = exact_policy(cost(v4=0.040), gamma_max=3, prior=0.8)
-    assert policy.drain_weights([40, 20, 40], [1.0, 1.0, 2.0]) == [1.0, 0.0625, 0.0625]  # (the docstring's)
-    assert policy.drain_weights([10, 30], [1.0, 4.0]) == [1.0, 0.75 ** 4]  # a fast row has fewer rounds left
-    remaining, alphas = [40] + [20] * 7, [0.5] + [0.9] * 7
-    assert policy.plan(alphas, [3] * 8, [n / 40 for n in remaining]) == [2] * 8  # (linear, as before)
-    assert policy.plan(alphas, [3] * 8, policy.drain_weights(remaining, [1.0] * 8)) == [3] + [0] * 7
-    policy = exact_policy(cost(v4=0.050), gamma_max=3, prior=0.8)
-    remaining, alphas = [40] + [24] * 7, [0.3] + [0.9] * 7
-    assert policy.plan(alphas, [3] * 8, [n / 40 for n in remaining]) == [0] + [1] * 7
-    assert policy.plan(alphas, [3] * 8, policy.drain_weights(remaining, [1.0] * 8)) == [0] * 8
-
-
-def test_a_request_s_pace_follows_the_tokens_its_rounds_commit():
-    """`RequestStats.pace`: 1 for plain decoding; with a draft that is always accepted (the target
-    drafting for itself) and γ = 3, rounds commit 4 tokens and the pace rises toward 4: after n rounds
-    4 - 3 (1 - `PACE_WEIGHT`) ** n."""
-    p = pair("llama", None)
-    same = ModelPair(p.target, p.target, None, p.vocab_size, ())
-    ids = prompts(3, seed=5)
-    plain = SpecEngine(same, EngineConfig(method="autoregressive", batch_size=3)).generate(
-        ids, SamplingParams(max_new_tokens=12))
-    assert all(o.stats.pace == 1.0 for o in plain)
-    outs = SpecEngine(same, EngineConfig(drafter="draft_model", adaptive=False, batch_size=3, gamma=3)).generate(
-        ids, SamplingParams(max_new_tokens=40))
-    for o in outs:
-        assert o.stats.accepted == o.stats.drafted == 3 * o.stats.rounds  # every draft accepted
-        assert o.stats.pace == pytest.approx(4 - 3 * (1 - PACE_WEIGHT) ** o.stats.rounds)  # from 1 toward 4
 
 
 def test_a_catch_up_is_priced_per_token_fed():

@@ -19,9 +19,6 @@ class FinishReason(str, Enum):
     ABORT = "abort"  # aborted by the caller (e.g. its client went away)
 
 
-PACE_WEIGHT = 0.25  # how fast a request's pace follows the tokens its rounds commit
-
-
 @dataclass
 class RequestStats:
     rounds: int = 0  # target forward passes this request took part in (prefill excluded)
@@ -30,7 +27,6 @@ class RequestStats:
     first_drafted: int = 0  # rounds in which it drafted at least one token
     first_accepted: int = 0  # ... and the first draft was accepted
     looked_up: int = 0  # rounds in which a hybrid drafter's lookup, not its draft model, drafted for it
-    pace: float = 1.0  # tokens its rounds committed lately (an exponential average, `PACE_WEIGHT`)
 
     @property
     def acceptance_rate(self) -> float:

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ..core.request import PACE_WEIGHT, Request
+from ..core.request import Request
 from ..core.stats import RunStats
 from ..sampling import BatchSampling, draw_uniforms, probabilities
 from ..verify import greedy_verify, rejection_verify
@@ -69,8 +69,9 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     elif policy is not None:
         alphas = [policy.alpha(r.stats.first_accepted, r.stats.first_drafted) for r in batch]
         weights = None
-        if draining:  # the batch lasts as long as the request with the most rounds left
-            weights = policy.drain_weights([r.remaining for r in batch], [r.stats.pace for r in batch])
+        if draining:  # the batch lasts as long as its longest request
+            most = max(r.remaining for r in batch)
+            weights = [r.remaining / most for r in batch]
         # refilling: a row that ends apart from its cohort costs a prefill forward of its own
         split = policy.split_s(batch, refilling=weights is None)
         before, planning = dict(timer.totals), time.perf_counter()
@@ -152,7 +153,6 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         stats.emitted += emitted
         made += emitted
         req.stats.rounds += 1
-        req.stats.pace += PACE_WEIGHT * (1 + a - req.stats.pace)
         if gamma > 0:
             req.stats.drafted += n
             req.stats.accepted += a

@@ -382,7 +382,6 @@ class AdaptivePolicy:
     replan_every: int = 8  # see `plain_now`
     replan_share: float = 0.02  # see `keep_rounds`
     settled_rounds: int = 64  # see `plain_now`
-    drain_power: float = 4.0  # see `drain_weights`
     # rows bucket -> [share of rows that verified drafts (exponential average over rounds), rounds]: `speculates`
     _drafting: dict = field(default_factory=dict, repr=False)
     record_rounds: int = 16
@@ -529,9 +528,8 @@ class AdaptivePolicy:
              settle: bool = True) -> list[int]:
         """How many tokens each row drafts this round (row i at most caps[i]). weights[i] (default
         1) is what a token of row i is worth: when nothing waits for a row, the batch lasts as long
-        as the request with the most rounds left, so the round passes weigh rows by that
-        (`drain_weights`); a row starved of drafts would otherwise be the one everyone waits for.
-        first_fed[i] (default 1)
+        as its longest request, so the round passes weigh rows by the work they have left; a row
+        starved of drafts would otherwise be the one everyone waits for. first_fed[i] (default 1)
         is what a round is charged for the drafter starting row i: 1, or a share of the catch-up
         when the drafter is behind on it (the round that does it is then left out of the
         measurements: see `observe`). key: the batch's requests, for `plain_now`. held[i] (default
@@ -561,25 +559,6 @@ class AdaptivePolicy:
         self.last = {"rows": b, "draft_s": self.draft_s(b, self._fed(lengths, first_fed)),
                      "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
         return lengths
-
-    def drain_weights(self, remaining: list[int], pace: list[float]) -> list[float]:
-        """What a token of each row is worth to a batch that nothing waits for (`plan`'s weights):
-        the batch ends with the row that has the most rounds left, remaining[i] / pace[i] at the
-        tokens row i's rounds commit lately (`RequestStats.pace`), and progress counts as much as
-        a row is near that: (left / most) ** `drain_power`. Linear in the tokens left (before
-        wave 24), rows well ahead of the longest drafted deeper than the rows that end the batch
-        (the draft model at 32 rows on the echo workload, 24 prompts: 1.9 accepted drafts per
-        row-round against 1.0, speculative rounds 0.92x the plain rounds' rate, 0.82-0.87x
-        `autoregressive`); weighed this way 0.91-0.99x, its round rarely speculating (in-process,
-        4 repeats), level elsewhere (the hybrid at 2, 4 and 64 rows, the draft model at 8).
-
-        Example: remaining [40, 20, 40], pace [1, 1, 2]: rounds left [40, 20, 20], weights
-        [1, 0.5 ** 4, 0.5 ** 4] = [1, 0.0625, 0.0625]."""
-        left = [n / max(p, 1e-9) for n, p in zip(remaining, pace)]
-        most = max(left, default=0.0)
-        if most <= 0:
-            return [1.0] * len(left)
-        return [(n / most) ** self.drain_power for n in left]
 
     def plain(self, rows: int) -> list[int]:
         """A plain round, recorded as the decision (one is due, or `plain_now` said so: the caller
