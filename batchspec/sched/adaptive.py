@@ -550,11 +550,12 @@ class AdaptivePolicy:
             self.guard.kept_plain(b)
         memo, self._memo = self._memo, None
         if key is not None and not any(lengths):
-            # (a plain plan for the same requests found unsettled before is again: plain rounds
-            # change nothing it rests on, and the check costs what the plan does)
-            settled = settle and not blocked and not (memo is not None and memo[0] == key and not memo[3]) and (
-                first_fed is not None and not any(first_fed)  # (priced free already)
-                or not any(self._best_lengths(alphas, caps, weights, [0.0] * b, held, index_s, split_s)[0]))
+            # found unsettled before for the same requests, it is again: plain rounds change nothing
+            # it rests on, and checking costs what the plan does
+            known = memo is not None and memo[0] == key and not memo[3]
+            free = first_fed is not None and not any(first_fed)  # this plan priced every draft free already
+            settled = settle and not blocked and not known and (
+                free or not any(self._best_lengths(alphas, caps, weights, [0.0] * b, held, index_s, split_s)[0]))
             self._memo = [key, 0, blocked, settled]
         self.last = {"rows": b, "draft_s": self.draft_s(b, self._fed(lengths, first_fed)),
                      "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
