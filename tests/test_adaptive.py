@@ -378,32 +378,17 @@ def test_one_slow_round_does_not_lock_the_guard():
         assert guard.wait[k] == (2 * wait if slow > 1.0 else guard.explore_every)
 
 
-def speculate_delivering(policy: AdaptivePolicy, share: float, rounds: int = 40) -> list[bool]:
-    """Plan `rounds` rounds of 8 rows; speculative ones take their predicted time and commit `share`
-    of the tokens the plan predicted, plain ones commit a token a row on time. Which speculated."""
-    out = []
-    for _ in range(rounds):
-        lengths = policy.plan([0.8] * 8, [3] * 8)
-        made = [share * policy.last["tokens"] / 8 if any(lengths) else 1.0] * 8
-        policy.observe([min(n, 2) for n in lengths], lengths, None, policy.last["verify_s"], policy.last["draft_s"],
-                       made=made)
-        out.append(any(lengths))
-    return out
-
-
-def test_guard_judges_speculation_by_the_rate_the_plan_promised():
-    """On time is not enough: speculative rounds that commit 60 % of the tokens the plan predicted
-    (drafts taken for likelier than they were) deliver 1/0.6 x slower than promised; the penalty
-    follows (by a fifth of the way at first, then a tenth) and the rounds turn plain but for the
-    guard's explorations. Rounds that deliver what
-    the plan promised leave the penalty at 1 and go on speculating (but for the plain rounds the
-    guard runs to measure that side)."""
+def test_guard_ignores_what_rounds_commit():
+    """A request that accepts nothing makes its speculative rounds deliver less than plain ones,
+    but on time: the penalty stays 1, and the next request, with its own acceptance record,
+    speculates (a guard that compared tokens per second turned it off for everyone)."""
     c = cost(draft=0.002, v1=0.020, v4=0.032)
-    kept = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
-    assert sum(speculate_delivering(kept, 1.0)) >= 38 and kept.guard.penalty(8) == pytest.approx(1.0)
-    short = exact_policy(cost(draft=0.002, v1=0.020, v4=0.032), gamma_max=3, prior=0.8, margin=1.0)
-    spoken = speculate_delivering(short, 0.6, rounds=60)
-    assert short.guard.penalty(8) > 1.3 and sum(spoken[:16]) == 16 and sum(spoken[-30:]) <= 2
+    policy = exact_policy(c, gamma_max=3, prior=0.8, margin=1.0)
+    for _ in range(20):
+        lengths = policy.plan([0.8], [3])
+        policy.observe([0] * len(lengths), lengths, None, policy.last["verify_s"], policy.last["draft_s"])
+    assert policy.guard.penalty(1) == pytest.approx(1.0)
+    assert any(policy.plan([0.8], [3]))
 
 
 def test_guard_measures_plain_rounds_when_the_plan_never_runs_one():

@@ -147,11 +147,11 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     stats.row_rounds += len(batch)
     stats.idle_rows += target.stats.idle_rows - idle_before
     stats.padding_tokens += sum(drafts.shape[1] - n for n in lengths)
-    made = []
+    made = 0
     for i, (req, a, row, n) in enumerate(zip(batch, accepted, tokens, lengths)):
         emitted = req.append(row[: a + 1])
         stats.emitted += emitted
-        made.append(emitted)
+        made += emitted
         req.stats.rounds += 1
         if gamma > 0:
             req.stats.drafted += n
@@ -164,12 +164,12 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             stats.accept_hist[a] += 1
             stats.gamma_hist[n] += 1
     elapsed = time.perf_counter() - started
-    stats.count_round(len(batch), any(lengths), sum(made), elapsed)  # (core/stats.py: round_gain)
+    stats.count_round(len(batch), any(lengths), made, elapsed)  # (core/stats.py: round_gain)
     if policy is not None:  # the whole round is measured, less a lookup's catch-up: the policy weighs it all
         draft_s = timer.since(before)["draft"]
         rest_s = elapsed - draft_s
         draft_s = max(0.0, draft_s - (getattr(engine.drafter, "catch_up_s", 0.0) - indexed_s))
-        policy.observe(accepted, lengths, confidence, rest_s, draft_s, caught_up=caught_up > 0, made=made)
+        policy.observe(accepted, lengths, confidence, rest_s, draft_s, caught_up=caught_up > 0)
         predicted = policy.predicted_s()
         if predicted is not None:
             stats.predicted_s += predicted

@@ -38,9 +38,8 @@ lookup drafts costs no draft step (first_fed 0; `drafters/hybrid.py`). While req
 that shares its tokens left with others (they end together and share one refill) is charged a
 share of the prefill forward it would need alone if it got ahead (`split_s`). Plain and speculative
 rounds are timed whole and corrected apart, and a `SpecGuard` corrects per batch size what the
-estimates miss: where speculative rounds deliver fewer tokens per second than their plan promised,
-relative to plain rounds against theirs, speculating must be predicted that much faster (with
-rare explorations).
+global scales miss: where speculative rounds take longer than predicted relative to plain ones,
+speculating must be predicted that much faster (with rare explorations).
 
 Example, b = 8, D = 2 ms, V(8, n) = 20 + 4 (n - 1) ms, s = 0.5 ms (so 0.5 ms per verified draft
 in any row: a cost linear in tokens; `CostModel` has a measured one where it is not), every α = 0.6
@@ -262,27 +261,19 @@ class Calibration:
 
 
 class SpecGuard:
-    """What the plan's predictions miss, per batch size (in powers of two), from what rounds really
-    delivered: exponential averages of predicted / delivered tokens per second, apart for
-    speculative rounds and for plain ones (`AdaptivePolicy.observe`). A plain round commits a token
-    a row, so there it is measured / predicted seconds; a speculative one is judged by the rate its
-    plan promised (the tokens it expected over the draft and verify seconds it predicted; not the
-    shares of one-off costs the plan charges, such as a catch-up or a refill) against the tokens it
-    committed over the seconds it took. Their ratio, the `penalty`, divides a speculative round's predicted
-    rate when the plan weighs it against a plain round, so speculating where it delivers less than
-    the plan says (at large batch sizes on a CPU: ragged bookkeeping, a verify pass that is
-    compute-bound; drafts taken for likelier than they are, which the draft's own probabilities
-    reveal only after the plan: the draft model at 8 rows on the echo workload, planned at 372
-    tokens/s against 317 for a plain round, delivered 294) needs a predicted gain that much larger.
-    Each request's acceptance is estimated on its own (`AdaptivePolicy.alpha`), so a request that
-    accepts little soon stops being predicted to; a guard that compared speculative and plain
-    rounds' tokens per second as such, not against their predictions, let one such request turn
-    speculation off for the requests after it (seen at batch 2: 0.92x autoregressive, 1.04x
-    without that guard).
+    """What the cost model misses, per batch size (in powers of two), from what rounds really took:
+    exponential averages of measured / predicted seconds, apart for speculative rounds and for
+    plain ones. Their ratio, the `penalty`, multiplies a speculative round's predicted time when
+    the plan weighs it against a plain round, so speculating where it measures slower than the
+    profile says (at large batch sizes on a CPU: ragged bookkeeping, a verify pass that is
+    compute-bound) needs a predicted gain that much larger. Only time is judged here: how many
+    tokens a round commits depends on the requests in it, and each request's acceptance is
+    estimated on its own (`AdaptivePolicy.alpha`). A guard that compared tokens per second of
+    speculative and plain rounds let one request that accepts little turn speculation off for
+    the requests after it (seen at batch 2: 0.92x autoregressive, 1.04x without that guard).
 
-    Example, 32 rows: plain rounds take 1.1x their prediction, speculative ones deliver 1.32x
-    slower than promised: penalty 1.2, and a round predicted 1.15x faster than plain decoding is
-    run plain.
+    Example, 32 rows: plain rounds take 1.1x their prediction, speculative ones 1.32x: penalty
+    1.2, and a round predicted 1.15x faster than plain decoding is run plain.
 
     Both averages start at 1 (the profile trusted) and weigh a round's measurement 1 / (n + 4) for
     its n-th round until that falls to `weight`: a single round (a warm-up's first, a hiccup of the
@@ -292,7 +283,7 @@ class SpecGuard:
 
     A penalty that keeps rounds plain is no longer measured, so after `explore_every` rounds it
     kept plain one speculative round is run without it. If that round confirms the penalty (it
-    delivered less for its prediction than plain rounds do) the next exploration waits twice as long
+    took longer for its prediction than plain rounds do) the next exploration waits twice as long
     (at most `max_wait`), else it comes after `explore_every` again: a change (a batch that
     empties) is noticed, and a penalty that rests on noise is measured away. The other way round
     too: a batch in which some row always has something worth verifying never runs a plain round
@@ -337,7 +328,7 @@ class SpecGuard:
         return self.spec_since.get(k, 0) >= self.plain_wait.get(k, self.explore_every)
 
     def record(self, rows: int, slow: float, speculative: bool) -> None:
-        """A round of `rows` rows delivered tokens `slow` x slower than predicted."""
+        """A round of `rows` rows took `slow` x the seconds predicted for it."""
         k = self.bucket(rows)
         avg = self.spec if speculative else self.plain
         n = self.counts[(k, speculative)] = self.counts.get((k, speculative), 0) + 1
@@ -554,7 +545,7 @@ class AdaptivePolicy:
         b = len(caps)
         if self.guard.plain_due(b) and not any(held or ()):
             return self.plain(b)
-        lengths, blocked, tokens = self._best_lengths(alphas, caps, weights, first_fed, held, index_s, split_s)
+        lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed, held, index_s, split_s)
         if blocked:
             self.guard.kept_plain(b)
         memo, self._memo = self._memo, None
@@ -567,9 +558,7 @@ class AdaptivePolicy:
                 free or not any(self._best_lengths(alphas, caps, weights, [0.0] * b, held, index_s, split_s)[0]))
             self._memo = [key, 0, blocked, settled]
         self.last = {"rows": b, "draft_s": self.draft_s(b, self._fed(lengths, first_fed)),
-                     "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0)), "weights": weights}
-        if any(lengths):
-            self.last["tokens"] = tokens
+                     "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
         return lengths
 
     def plain(self, rows: int) -> list[int]:
@@ -637,11 +626,10 @@ class AdaptivePolicy:
 
     def _best_lengths(self, alphas: list[float], caps: list[int], weights: list[float] | None,
                       first_fed: list[float] | None, held: list[int] | None = None,
-                      index_s: float = 0.0, split_s: list[float] | None = None) -> tuple[list[int], bool, float]:
-        """`plan`'s decision, without recording it: the lengths, whether they are all 0 only
-        because of the guard's penalty (a speculative round's predicted rate over the penalty:
-        the same factor for every way of speculating, so the best of them stays the best), and
-        the (weighted) tokens the best speculative round is expected to commit."""
+                      index_s: float = 0.0, split_s: list[float] | None = None) -> tuple[list[int], bool]:
+        """`plan`'s decision, without recording it: the lengths, and whether they are all 0 only
+        because of the guard's penalty (a speculative round's predicted time times the penalty:
+        the same factor for every way of speculating, so the best of them stays the best)."""
         weights = weights or [1.0] * len(caps)
         later = self.later_rates()
         scale = self.gain_scale()
@@ -649,17 +637,15 @@ class AdaptivePolicy:
         b = len(caps)
         # a speculative round is planned again next round; a plain plan stands a while
         seconds = self.cost.round_seconds(b, self.packed, spec_s=self.replan_s(b) + index_s)
-        capped = self._capped(gains, held)
-        lengths, rate = best_budget(capped, seconds, sum(weights), first_fed, held, split_s)
-        tokens = sum(weights) + sum(sum(g[:n]) for g, n in zip(capped, lengths))
+        lengths, rate = best_budget(self._capped(gains, held), seconds, sum(weights), first_fed, held, split_s)
         if any(held or ()):  # no plain round to weigh it against
-            return lengths, False, tokens
+            return lengths, False
         plain_rate = self.margin * sum(weights) / self.cost.verify(b, 1)
         if rate < plain_rate:
-            return [0] * b, False, tokens
+            return [0] * b, False
         if rate < plain_rate * self.guard.penalty(b) and not self.guard.exploring(b):
-            return [0] * b, True, tokens
-        return lengths, False, tokens
+            return [0] * b, True
+        return lengths, False
 
     def prune(self, alphas: list[float], lengths: list[int], confidence: list[list[float] | None] | None,
               draft_spent_s: float, weights: list[float] | None = None, held: list[int] | None = None,
@@ -738,7 +724,7 @@ class AdaptivePolicy:
         if self.cost is None or any(held or ()):
             return True
         b = len(caps)
-        lengths, blocked, _ = self._best_lengths(alphas, caps, weights, [0.0] * b, held, index_s, split_s)
+        lengths, blocked = self._best_lengths(alphas, caps, weights, [0.0] * b, held, index_s, split_s)
         if any(lengths):
             return True
         if key is not None:
@@ -767,13 +753,11 @@ class AdaptivePolicy:
         return any(self._best_lengths([self.alpha(0, 0)] * rows, [self.gamma_max] * rows, None, None)[0])
 
     def observe(self, accepted: list[int], verified: list[int], confidence: list[list[float]] | None,
-                verify_s: float, draft_s: float, caught_up: bool = False, made: list[int] | None = None) -> None:
+                verify_s: float, draft_s: float, caught_up: bool = False) -> None:
         """After a round: each row's accepted / verified drafts, the drafts' probabilities, the
         draft stage's seconds and the rest of the round's (the verify pass and everything around
         it: what the decision between a plain and a speculative round has to weigh); caught_up:
-        the draft model first fed what it had missed (`DraftProposal.caught_up`); made: the tokens
-        each row committed, by which the guard judges a speculative round against its plan's
-        promised rate (`SpecGuard`; without them, by its time alone)."""
+        the draft model first fed what it had missed (`DraftProposal.caught_up`)."""
         while len(self._positions) < self.gamma_max:
             self._positions.append([0.0, 0.0])
         record = self._drafting.setdefault(rows_bucket(len(verified)), [0.0, 0])
@@ -805,12 +789,8 @@ class AdaptivePolicy:
                               rows=len(verified), deepest=max(verified, default=0))
             predicted = self.last["draft_s"] + self.last["verify_s"]
             if predicted > 0 and verify_s + draft_s > 0:
-                speculative = draft_s > 0 or any(verified)
                 slow = (verify_s + draft_s) / predicted
-                if speculative and made is not None and self.last.get("tokens"):  # x promised / delivered
-                    weights = self.last["weights"] or [1.0] * len(made)
-                    slow *= self.last["tokens"] / max(1e-9, sum(w * m for w, m in zip(weights, made)))
-                self.guard.record(len(verified), slow, speculative=speculative)
+                self.guard.record(len(verified), slow, speculative=draft_s > 0 or any(verified))
 
     def predicted_s(self) -> float | None:
         """The last round's predicted draft + verify seconds (None without a cost model)."""
