@@ -204,3 +204,7 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 8 --gamma 4 --draf
   --num-prompts 8 --max-new-tokens 128 --repeat 5 --json docs/results/wave24_default.json
 batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,2,8,32 --num-prompts 32 --max-new-tokens 64 \
   --json docs/results/verify_wave24.json
+# Wave 25: docs/results/wave25_adaptive_rateguard.json is issue 19's table (`issue19_twin`) measured on
+# commit f7492fb (a guard on the rate the plan promised), reverted by a8e5459 (README, "Where the
+# draft model loses"); it is evidence for that decision, not a table of the current code, so it is not
+# regenerated here.
