@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tiny import pair, prompts, references
 
 from batchspec import EngineConfig, SamplingParams, SpecEngine
+from batchspec.core.request import RequestStats
 from batchspec.drafters import model_drafter
 from batchspec.sched.adaptive import AdaptivePolicy, CostModel
 from batchspec.sched.tetris import cumulative
@@ -312,6 +313,35 @@ def test_optimism_tries_drafting_under_a_pessimistic_prior_then_follows_the_reco
     assert policy.plan([policy.alpha(0, 0)] * 8, [3] * 8) == [0] * 8
 
 
+def test_a_request_whose_later_drafts_fail_is_priced_by_its_own_record():
+    """The pair accepted 300 of 400 drafts after the first (0.75); a request 2 of 12: its own rate
+    shrunk toward the pair's, (2 + 8 x 0.75) / 20 = 0.4, over 0.75 = 0.53 (the docstring's example).
+    Rows with the same first-draft rate then plan apart: at 8 rows, the four whose later drafts
+    fail draft 2 tokens, the others 3; without the factors all 8 draft 3. With no record of its own
+    a request counts as the pair."""
+    policy = exact_policy(cost(draft=0.001, v1=0.020, v4=0.032), gamma_max=3, prior=0.75, margin=1.0)
+    policy._positions = [[400.0, 400.0], [300.0, 400.0], [0.0, 0.0]]
+    weak = RequestStats(later_reached=12, later_accepted=2)
+    assert policy.later_factor(weak) == pytest.approx(0.4 / 0.75)
+    assert policy.later_factor(RequestStats()) == 1.0
+    factors = [policy.later_factor(weak)] * 4 + [1.0] * 4
+    assert policy.plan([0.95] * 8, [3] * 8, factors=factors) == [2] * 4 + [3] * 4
+    assert policy.plan([0.95] * 8, [3] * 8) == [3] * 8
+
+
+def test_later_drafts_are_counted_per_request():
+    """A round that verifies n drafts of a row and accepts a reached d_2..d_min(a+1, n), a - 1 of
+    them accepted (n 4: a 2 -> 2 reached, 1 accepted; a 4 -> 3, 3; a 0 -> 0, 0), so over an engine
+    run every accepted draft is a first or a later one, and a later draft reached is one drafted."""
+    p = pair("llama", "perturbed")
+    engine = SpecEngine(p, EngineConfig(drafter="draft_model", batch_size=4, gamma=4, adaptive=False))
+    stats = [o.stats for o in engine.generate(prompts(8, seed=3), SamplingParams(max_new_tokens=24))]
+    assert sum(s.later_reached for s in stats) > sum(s.later_accepted for s in stats) > 0  # (ragged)
+    for s in stats:
+        assert s.accepted == s.first_accepted + s.later_accepted
+        assert s.later_accepted <= s.later_reached <= s.drafted - s.first_drafted
+
+
 def test_rows_with_more_work_left_come_first_when_nothing_waits():
     """Draining, a row's tokens are worth its remaining work: the long row drafts, the nearly
     finished one need not (equal rates, so unweighted they would be treated alike)."""
@@ -559,7 +589,7 @@ def test_drafting_stops_where_the_next_draft_is_not_worth_a_step():
     for q, rate in ((0.25, 3), (0.95, 9)):
         for k in range(1000):
             policy.calibration.add(q, k % 10 < rate)
-    fresh = SimpleNamespace(stats=SimpleNamespace(first_accepted=0, first_drafted=0))
+    fresh = SimpleNamespace(stats=RequestStats())
     policy.last = {"rows": 1}
     assert policy.cut([fresh], 1, [[0.2]], [4]) == [4]
     assert policy.cut([fresh], 2, [[0.2, 0.2]], [4]) == [2]

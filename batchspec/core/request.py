@@ -27,6 +27,8 @@ class RequestStats:
     first_drafted: int = 0  # rounds in which it drafted at least one token
     first_accepted: int = 0  # ... and the first draft was accepted
     looked_up: int = 0  # rounds in which a hybrid drafter's lookup, not its draft model, drafted for it
+    later_reached: int = 0  # its drafts after the first that were verified with every draft before them accepted
+    later_accepted: int = 0  # ... and were accepted
 
     @property
     def acceptance_rate(self) -> float:

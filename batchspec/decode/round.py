@@ -68,6 +68,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         before = dict(timer.totals)
     elif policy is not None:
         alphas = [policy.alpha(r.stats.first_accepted, r.stats.first_drafted) for r in batch]
+        factors = [policy.later_factor(r.stats) for r in batch]  # its drafts after the first, against the pair's
         weights = None
         if draining:  # the batch lasts as long as its longest request
             most = max(r.remaining for r in batch)
@@ -88,7 +89,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
         # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
         lookups = hasattr(engine.drafter, "lookahead")
-        if lookups and not policy.may_speculate(alphas, lengths, weights, held, index_s, split, key=key):
+        if lookups and not policy.may_speculate(alphas, lengths, weights, held, index_s, split, key=key,
+                                                factors=factors):
             lengths = [0] * len(batch)  # not even free drafts would pay: that is the plan (a plain one)
         elif lookups:
             with timer.stage("draft"):
@@ -100,10 +102,10 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             # a plain plan is kept for the same requests (`plain_now`), but not one made because no
             # lookup found anything, and never as settled: what lookups find changes from round to round
             lengths = policy.plan(alphas, lengths, weights, first_fed, key=key if any(lengths) else None, held=held,
-                                  split_s=split, settle=False)  # (the lookahead did the indexing)
+                                  split_s=split, settle=False, factors=factors)  # (the lookahead did the indexing)
         else:
             lengths = policy.plan(alphas, lengths, weights, first_fed, key=key, held=held, index_s=index_s,
-                                  split_s=split)
+                                  split_s=split, factors=factors)
         policy.planned(len(batch), time.perf_counter() - planning)
     g = max(lengths)
 
@@ -120,7 +122,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             if proposal.confidence is not None:  # greedy rows only (see sched/adaptive.py); NaN: unknown
                 confidence = [c if r.params.greedy and not math.isnan(c[0]) else None
                               for r, c in zip(batch, proposal.confidence.tolist())]
-            lengths = policy.prune(alphas, lengths, confidence, timer.since(before)["draft"], weights, held, split)
+            lengths = policy.prune(alphas, lengths, confidence, timer.since(before)["draft"], weights, held, split,
+                                   factors)
         drafts = drafts[:, :max(lengths)]
         q = q[:, :drafts.shape[1]] if q is not None else None
     else:
@@ -158,6 +161,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             req.stats.accepted += a
             req.stats.first_drafted += n > 0
             req.stats.first_accepted += n > 0 and a > 0
+            req.stats.later_reached += max(0, min(a + 1, n) - 1)  # d_2.. reached: the drafts before accepted
+            req.stats.later_accepted += max(0, a - 1)
             req.stats.looked_up += n > 0 and looked is not None and bool(looked[i])
             stats.drafted += n
             stats.accepted += a
