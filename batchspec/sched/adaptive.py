@@ -2,7 +2,8 @@
 
 Pure Python over numbers the engine measures. Row i's drafts are accepted with per-position rates
 (its own first-draft rate α_i, then pair-wide rates for d_2, d_3, ... given the earlier ones were
-accepted: acceptance comes in runs), so verifying d_i1..d_ij adds G_ij = rate_1 ... rate_j expected
+accepted: acceptance comes in runs; scaled by how the request's own drafts after the first fared
+against the pair's, `later_factor`), so verifying d_i1..d_ij adds G_ij = rate_1 ... rate_j expected
 tokens to the one token every row commits anyway. A round in which row i drafts γ_i tokens costs
 
     draft   Σ_j D(b_j)         one draft step per depth j, feeding the b_j rows drafting >= j tokens
@@ -445,8 +446,9 @@ class AdaptivePolicy:
     def gain_scale(self) -> float:
         """Accepted drafts over the expected (1 until measured; within [0.5, 2]), by which every
         estimated gain is multiplied. The estimates are biased where the plan looks: a row's
-        later rates are the pair's, while the rows that speculate are those with a high first
-        rate, whose later rates are high too (seen: 5-12 % more accepted than expected). The ratio
+        later rates are the pair's (scaled by its own record only once it has one: `later_factor`),
+        while the rows that speculate are those with a high first rate, whose later rates are high
+        too (seen: 5-12 % more accepted than expected). The ratio
         of n rounds counts n / (n + `scale_prior_rounds`) against 1: a warm-up's few rounds do not
         decide it (2 requests of 8 tokens had set it to its floor, 0.5, at batch 1)."""
         accepted, expected, n = self._realised
