@@ -208,7 +208,7 @@ batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,2,8,32 -
 # commit f7492fb (a guard on the rate the plan promised), reverted by a8e5459 (README, "Where the
 # draft model loses"); it is evidence for that decision, not a table of the current code, so it is not
 # regenerated here.
-# Wave 25: a request's drafts after the first priced by its own record (later_factor): issue 19's table at
+# Wave 25: a request's drafts after the first priced by its own record (later_factors): issue 19's table at
 # batch 1-8, and the draft model alone on echo at 8 and 32.
 batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8 --gamma 2,4 --drafters hybrid \
   --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \

@@ -322,9 +322,8 @@ def test_a_request_whose_later_drafts_fail_is_priced_by_its_own_record():
     policy = exact_policy(cost(draft=0.001, v1=0.020, v4=0.032), gamma_max=3, prior=0.75, margin=1.0)
     policy._positions = [[400.0, 400.0], [300.0, 400.0], [0.0, 0.0]]
     weak = RequestStats(later_reached=12, later_accepted=2)
-    assert policy.later_factor(weak) == pytest.approx(0.4 / 0.75)
-    assert policy.later_factor(RequestStats()) == 1.0
-    factors = [policy.later_factor(weak)] * 4 + [1.0] * 4
+    assert policy.later_factors([weak, RequestStats()]) == [pytest.approx(0.4 / 0.75), 1.0]
+    factors = policy.later_factors([weak] * 4 + [RequestStats()] * 4)
     assert policy.plan([0.95] * 8, [3] * 8, factors=factors) == [2] * 4 + [3] * 4
     assert policy.plan([0.95] * 8, [3] * 8) == [3] * 8
 

@@ -68,7 +68,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         before = dict(timer.totals)
     elif policy is not None:
         alphas = [policy.alpha(r.stats.first_accepted, r.stats.first_drafted) for r in batch]
-        factors = [policy.later_factor(r.stats) for r in batch]  # its drafts after the first, against the pair's
+        factors = policy.later_factors([r.stats for r in batch])  # its drafts after the first, against the pair's
         weights = None
         if draining:  # the batch lasts as long as its longest request
             most = max(r.remaining for r in batch)

@@ -3,7 +3,7 @@
 Pure Python over numbers the engine measures. Row i's drafts are accepted with per-position rates
 (its own first-draft rate α_i, then pair-wide rates for d_2, d_3, ... given the earlier ones were
 accepted: acceptance comes in runs; scaled by how the request's own drafts after the first fared
-against the pair's, `later_factor`), so verifying d_i1..d_ij adds G_ij = rate_1 ... rate_j expected
+against the pair's, `later_factors`), so verifying d_i1..d_ij adds G_ij = rate_1 ... rate_j expected
 tokens to the one token every row commits anyway. A round in which row i drafts γ_i tokens costs
 
     draft   Σ_j D(b_j)         one draft step per depth j, feeding the b_j rows drafting >= j tokens
@@ -395,7 +395,7 @@ class AdaptivePolicy:
     # rounds, and how many rounds they rest on
     _realised: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0], repr=False)
     scale_prior_rounds: float = 8.0  # see `gain_scale`
-    own_strength: float = 8.0  # how many later drafts the pair's rate weighs in a request's (`later_factor`)
+    own_strength: float = 8.0  # how many later drafts the pair's rate weighs in a request's (`later_factors`)
 
     def alpha(self, first_accepted: int, first_drafted: int) -> float:
         """A row's first-draft acceptance: its own record, shrunk toward the pair's running rate,
@@ -405,10 +405,11 @@ class AdaptivePolicy:
         prior += self._bonus(reached)
         return min(0.99, (first_accepted + self.strength * prior) / (first_drafted + self.strength))
 
-    def later_factor(self, stats) -> float:
-        """How a request accepts drafts after its first, relative to the pair: its own rate over
-        those drafts (`RequestStats.later_accepted` of `later_reached`), shrunk toward the pair's
-        (`own_strength` drafts' worth), over the pair's. It multiplies the pair's later rates for
+    def later_factors(self, stats: list) -> list[float]:
+        """Per request (its `RequestStats`), how it accepts drafts after its first, relative to the
+        pair (whose rate is read once for all): its own rate over those drafts (`later_accepted`
+        of `later_reached`), shrunk toward the pair's (`own_strength` drafts' worth), over the
+        pair's. It multiplies the pair's later rates for
         that request's row. The pair's rates come from the rows that drafted deep, those that
         accept well; a row whose first draft passes and whose next ones do not was priced at their
         rates (the draft model at 8 rows on the echo workload: the rows that end a draining batch
@@ -416,13 +417,12 @@ class AdaptivePolicy:
 
         Example: the pair accepted 300 of 400 later drafts (0.75); a request 2 of 12: (2 + 8 x
         0.75) / (12 + 8) = 0.4, factor 0.53, so its d_2 rate 0.8 becomes 0.43."""
-        if stats.later_reached == 0:
-            return 1.0
         acc = sum(p[0] for p in self._positions[1:])
         reached = sum(p[1] for p in self._positions[1:])
         pair = (acc + self.strength * self.prior) / (reached + self.strength)
-        own = (stats.later_accepted + self.own_strength * pair) / (stats.later_reached + self.own_strength)
-        return own / pair
+        k = self.own_strength
+        return [(s.later_accepted + k * pair) / (s.later_reached + k) / pair if s.later_reached else 1.0
+                for s in stats]
 
     def _bonus(self, reached: float) -> float:
         """Optimism in the face of uncertainty (as in UCB): a rate measured on few drafts is taken
@@ -446,7 +446,7 @@ class AdaptivePolicy:
     def gain_scale(self) -> float:
         """Accepted drafts over the expected (1 until measured; within [0.5, 2]), by which every
         estimated gain is multiplied. The estimates are biased where the plan looks: a row's
-        later rates are the pair's (scaled by its own record only once it has one: `later_factor`),
+        later rates are the pair's (scaled by its own record only once it has one: `later_factors`),
         while the rows that speculate are those with a high first rate, whose later rates are high
         too (seen: 5-12 % more accepted than expected). The ratio
         of n rounds counts n / (n + `scale_prior_rounds`) against 1: a warm-up's few rounds do not
@@ -461,7 +461,7 @@ class AdaptivePolicy:
 
     @staticmethod
     def _rates(alpha: float, later: list[float], n: int, factor: float = 1.0) -> list[float]:
-        """A row's first n rates: its α, then the pair's later rates times its `later_factor`."""
+        """A row's first n rates: its α, then the pair's later rates times its `later_factors`."""
         if factor != 1.0:
             later = [min(0.99, factor * r) for r in later]
         return ([alpha] + later)[:n]
@@ -566,7 +566,7 @@ class AdaptivePolicy:
         to a speculative round. split_s[i] (default 0): seconds charged if row i verifies a draft
         (see `split_s`). settle: a plain plan may be found settled (see `plain_now`); not when
         caps are what a lookup found this round (they change from round to round). factors[i]
-        (default 1): row i's `later_factor`."""
+        (default 1): row i's `later_factors`."""
         if self.cost is None:
             return list(caps)
         b = len(caps)
@@ -729,10 +729,10 @@ class AdaptivePolicy:
         price = per_row * b / self.cost.verify(b, 1)
         later, scale, out = self.later_rates(), self.gain_scale(), list(lengths)
         after = later[depth - 1] if depth - 1 < len(later) else later[-1]  # d_{depth+1}'s rate
-        for i in going:
+        factors = self.later_factors([reqs[i].stats for i in going])
+        for i, factor in zip(going, factors):
             r = reqs[i]
-            priors = self._rates(self.alpha(r.stats.first_accepted, r.stats.first_drafted), later, depth,
-                                 self.later_factor(r.stats))
+            priors = self._rates(self.alpha(r.stats.first_accepted, r.stats.first_drafted), later, depth, factor)
             if scale * cumulative(self.calibration.rates(confidence[i][:depth], priors))[-1] * after < price:
                 out[i] = depth
         return out
