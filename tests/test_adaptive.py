@@ -527,8 +527,9 @@ def test_a_speculative_round_is_charged_the_plan_a_plain_one_would_keep():
 
 def test_whether_fresh_requests_draft_follows_what_the_rounds_at_that_batch_size_did():
     """`speculates` (whether the draft model prefills new requests): the prediction for fresh
-    requests until `record_rounds` rounds of that batch size ran, then their record: plain rounds
-    turn it off (there, not at other batch sizes), rounds that verify drafts on again."""
+    requests, and once `record_rounds` rounds of that batch size ran, their record too: plain
+    rounds turn it off (there, not at other batch sizes), rounds that verify drafts on again, as
+    long as a fresh plan would draft."""
     policy = exact_policy(cost(), gamma_max=3, prior=0.8)
     assert policy.speculates(8) and policy.speculates(1)  # predicted: a fresh plan drafts
     for _ in range(policy.record_rounds - 1):
@@ -545,6 +546,10 @@ def test_whether_fresh_requests_draft_follows_what_the_rounds_at_that_batch_size
         policy.observe([1] * 8, [2] * 8, None, 0.02, 0.0)
         rounds += 1
     assert rounds == 2  # every row drafting, at a weight of 0.05: from ~0.06 (the explorations) to 0.11
+    # a record of drafting is not enough once a fresh plan would no longer draft (costs measured
+    # since: here every verified draft got dearer); the prediction alone is not either (above)
+    policy.cost = cost(v4=0.2)
+    assert not policy.speculates(8) and not any(policy.plan([0.8] * 8, [3] * 8))
 
 
 def test_a_catch_up_is_priced_per_token_fed():

@@ -769,19 +769,24 @@ class AdaptivePolicy:
     def speculates(self, rows: int) -> bool:
         """Whether a batch of `rows` requests will draft enough to prefill the draft model (else
         its prefill waits: the drafter catches up on a row if and when it drafts for it, and
-        `plan` prices that). What the rounds at that batch size did, once `record_rounds` of them
-        ran: drafts verified in at least `record_share` of their rows, by an exponential average
-        (`observe`); before that, whether a plan for fresh requests would draft. The prediction
-        alone missed what rounds weigh and a fresh plan does not (a cohort's refill, the guard's
-        penalty once measured): the draft model at 32 rows on the echo workload prefilled every
-        prompt, 11 % more prefill time, and verified drafts in 1 row-round of 1473. Counted by
-        rounds instead of rows, the rare round that explores speculation turned the prefill on
-        again (17 row-rounds of 1464 drafted there, and prefill took 15 % longer)."""
+        `plan` prices that). A plan for fresh requests would draft, and, once `record_rounds`
+        rounds of that batch size ran, they verified drafts in at least `record_share` of their
+        rows, by an exponential average (`observe`). A wrong yes costs the whole prompt's prefill
+        in the draft model; a wrong no only moves it into the first round that drafts for the
+        row (the same tokens, priced there), so both must say yes.
+        The prediction alone missed what rounds weigh and a fresh plan does not (a cohort's
+        refill, the guard's penalty once measured): the draft model at 32 rows on the echo
+        workload prefilled every prompt, 11 % more prefill time, and verified drafts in 1
+        row-round of 1473. Counted by rounds instead of rows, the rare round that explores
+        speculation turned the prefill on again (17 row-rounds of 1464 drafted there, and prefill
+        took 15 % longer). The record alone lags what the policy has learnt since: at 32 rows on
+        echo a repeat whose rounds had drafted a lot was followed by one that prefilled every
+        prompt (0.3 s, 7 % of the run) and then drafted in 1 row-round of ~1600."""
         if self.cost is None:
             return True
         record = self._drafting.get(rows_bucket(rows))
-        if record is not None and record[1] >= self.record_rounds:
-            return record[0] >= self.record_share
+        if record is not None and record[1] >= self.record_rounds and record[0] < self.record_share:
+            return False
         return any(self._best_lengths([self.alpha(0, 0)] * rows, [self.gamma_max] * rows, None, None)[0])
 
     def observe(self, accepted: list[int], verified: list[int], confidence: list[list[float]] | None,
