@@ -216,3 +216,13 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8 --gamma 2,
 batchspec bench --methods autoregressive,eqspec --batch-sizes 8,32 --drafters draft_model \
   --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma 8 --workload echo \
   --json docs/results/wave25_adaptive_echo_draft_model.json
+# Wave 26: the draft model prefills new requests only where a fresh plan would draft too
+# (AdaptivePolicy.speculates): the draft model alone on echo at 8 and 32, issue 19's table at 16-64
+# (with wave 25's later_factors), and the drafter tables.
+batchspec bench --methods autoregressive,eqspec --batch-sizes 8,32 --drafters draft_model \
+  --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 5 --gamma 8 --workload echo \
+  --json docs/results/wave26_adaptive_echo_draft_model.json
+batchspec bench --methods autoregressive,eqspec --batch-sizes 16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
+  --json docs/results/wave26_adaptive_16to64.json
+drafters_twin wave26
