@@ -388,6 +388,7 @@ class AdaptivePolicy:
     record_rounds: int = 16
     record_share: float = 0.1
     record_weight: float = 0.05
+    index_floor: float = 0.05  # see `index_share`
     _planning: dict = field(default_factory=dict, repr=False)  # batch-size bucket -> seconds a plan takes
     # the last plain plan: [key, rounds since, kept plain by the guard, settled (see `plain_now`)]
     _memo: list | None = field(default=None, repr=False)
@@ -489,11 +490,23 @@ class AdaptivePolicy:
         per_round = max(2.0, req.num_generated / s.rounds if s.rounds else 0.0)
         return max(1, req.remaining) / per_round
 
-    @staticmethod
-    def index_share(req) -> float:
+    def index_share(self, req, rows: int | None = None) -> float:
         """The share of a lookup's indexing of `req` one round is charged: the indexing serves the
-        lookups of every round `req` has left (`LookupDrafter.index_s`)."""
-        return min(1.0, 1.0 / AdaptivePolicy.rounds_left(req))
+        lookups of the rounds `req` has left in which it drafts, which at a batch of `rows` rows
+        (once `record_rounds` rounds of that size ran) is the share of rows that verified drafts
+        (`speculates`' record, at least `index_floor`). Spread over every round left, exploring
+        speculation at 16 rows on the bundled prompts (64 x 32, the default) paid each time for
+        indexing every prompt and finished request into the suffix tries, then went back to plain
+        rounds: 0.07-0.16 s of draft stage in 4.5-5.7 s runs that verified drafts in 0-93
+        row-rounds of ~1900 (in-process, 0.96-0.97x `autoregressive`; 0.98-1.00x with this).
+
+        Example: 16 rounds left, rounds of this size drafted in 10 % of their rows: 1 / 1.6 of the
+        indexing (1/16 before anything is recorded)."""
+        drafting = 1.0
+        record = self._drafting.get(rows_bucket(rows)) if rows else None
+        if record is not None and record[1] >= self.record_rounds:
+            drafting = max(self.index_floor, record[0])
+        return min(1.0, 1.0 / (AdaptivePolicy.rounds_left(req) * drafting))
 
     @staticmethod
     def catch_up_share(req) -> float:
