@@ -226,3 +226,8 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 16,32,64 --gamma 2
   --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
   --json docs/results/wave26_adaptive_16to64.json
 drafters_twin wave26
+# Wave 26, then: a lookup's indexing shared over the rounds likely to draft (AdaptivePolicy.index_share),
+# issue 19's table at 8-64 on that code (the drafter tables above were measured before it, on 2ea95b8).
+batchspec bench --methods autoregressive,eqspec --batch-sizes 8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
+  --json docs/results/wave26_adaptive_index_share.json
