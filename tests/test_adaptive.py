@@ -131,19 +131,19 @@ def test_index_share_follows_the_rounds_left_that_draft():
     its batch size, once enough of them ran (the docstring's example: 10 % -> 1 / 1.6)."""
     policy = exact_policy(cost(), gamma_max=3)
     fresh = SimpleNamespace(stats=SimpleNamespace(rounds=0), num_generated=0, remaining=32)
-    assert policy.index_share(fresh, 8) == pytest.approx(1 / 16)  # 2 tokens a round assumed
+    assert policy.index_shares([fresh] * 8)[0] == pytest.approx(1 / 16)  # 2 tokens a round assumed
     going = SimpleNamespace(stats=SimpleNamespace(rounds=10), num_generated=40, remaining=40)
-    assert policy.index_share(going, 8) == pytest.approx(0.1)  # 4 a round: 10 rounds left
+    assert policy.index_shares([going] * 8)[0] == pytest.approx(0.1)  # 4 a round: 10 rounds left
     ending = SimpleNamespace(stats=SimpleNamespace(rounds=10), num_generated=40, remaining=1)
-    assert policy.index_share(ending, 8) == 1.0
+    assert policy.index_shares([ending] * 8)[0] == 1.0
     for _ in range(policy.record_rounds):  # one row in ten verifies drafts at 8 rows
         policy.observe([0] * 10, [1] + [0] * 9, None, 0.02, 0.0)
-    assert policy.index_share(fresh, 8) == pytest.approx(1 / 1.6)
-    assert policy.index_share(fresh, 2) == pytest.approx(1 / 16)  # (another batch size: nothing recorded)
+    assert policy.index_shares([fresh] * 8)[0] == pytest.approx(1 / 1.6)
+    assert policy.index_shares([fresh] * 2)[0] == pytest.approx(1 / 16)  # (another batch size: nothing recorded)
     for _ in range(200):  # none does any more: the floor
         policy.observe([0] * 10, [0] * 10, None, 0.02, 0.0)
     long = SimpleNamespace(stats=SimpleNamespace(rounds=0), num_generated=0, remaining=400)
-    assert policy.index_share(long, 8) == pytest.approx(1 / (200 * policy.index_floor))
+    assert policy.index_shares([long] * 8)[0] == pytest.approx(1 / (200 * policy.index_floor))
 
 
 def test_a_row_that_would_leave_its_cohort_is_charged_a_share_of_a_prefill_forward():

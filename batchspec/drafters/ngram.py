@@ -134,7 +134,7 @@ class LookupDrafter:
 
     def index_s(self, reqs: list[Request], shares: list[float]) -> float:
         """Seconds of indexing that looking up `reqs` now would start with, each row's weighted by
-        `shares[i]`, the share of it one round is charged (`AdaptivePolicy.index_share`): a one-off
+        `shares[i]`, the share of it one round is charged (`AdaptivePolicy.index_shares`): a one-off
         that serves the row's later lookups too (an index every greedy row reads: at their mean
         share). 0 until a catch-up was timed.
 

@@ -388,7 +388,7 @@ class AdaptivePolicy:
     record_rounds: int = 16
     record_share: float = 0.1
     record_weight: float = 0.05
-    index_floor: float = 0.05  # see `index_share`
+    index_floor: float = 0.05  # see `index_shares`
     _planning: dict = field(default_factory=dict, repr=False)  # batch-size bucket -> seconds a plan takes
     # the last plain plan: [key, rounds since, kept plain by the guard, settled (see `plain_now`)]
     _memo: list | None = field(default=None, repr=False)
@@ -490,11 +490,11 @@ class AdaptivePolicy:
         per_round = max(2.0, req.num_generated / s.rounds if s.rounds else 0.0)
         return max(1, req.remaining) / per_round
 
-    def index_share(self, req, rows: int | None = None) -> float:
-        """The share of a lookup's indexing of `req` one round is charged: the indexing serves the
-        lookups of the rounds `req` has left in which it drafts, which at a batch of `rows` rows
-        (once `record_rounds` rounds of that size ran) is the share of rows that verified drafts
-        (`speculates`' record, at least `index_floor`). Spread over every round left, exploring
+    def index_shares(self, reqs: list) -> list[float]:
+        """Per request of a batch, the share of a lookup's indexing of it one round is charged: the
+        indexing serves the lookups of the rounds it has left in which it drafts, which at this
+        batch size (once `record_rounds` rounds of it ran) is the share of rows that verified
+        drafts (`drafting_share`, at least `index_floor`). Spread over every round left, exploring
         speculation at 16 rows on the bundled prompts (64 x 32, the default) paid each time for
         indexing every prompt and finished request into the suffix tries, then went back to plain
         rounds: 0.07-0.16 s of draft stage in 4.5-5.7 s runs that verified drafts in 0-93
@@ -502,11 +502,9 @@ class AdaptivePolicy:
 
         Example: 16 rounds left, rounds of this size drafted in 10 % of their rows: 1 / 1.6 of the
         indexing (1/16 before anything is recorded)."""
-        drafting = 1.0
-        record = self._drafting.get(rows_bucket(rows)) if rows else None
-        if record is not None and record[1] >= self.record_rounds:
-            drafting = max(self.index_floor, record[0])
-        return min(1.0, 1.0 / (AdaptivePolicy.rounds_left(req) * drafting))
+        share = self.drafting_share(len(reqs))
+        drafting = 1.0 if share is None else max(self.index_floor, share)
+        return [min(1.0, 1.0 / (AdaptivePolicy.rounds_left(r) * drafting)) for r in reqs]
 
     @staticmethod
     def catch_up_share(req) -> float:
@@ -797,10 +795,16 @@ class AdaptivePolicy:
         prompt (0.3 s, 7 % of the run) and then drafted in 1 row-round of ~1600."""
         if self.cost is None:
             return True
-        record = self._drafting.get(rows_bucket(rows))
-        if record is not None and record[1] >= self.record_rounds and record[0] < self.record_share:
+        share = self.drafting_share(rows)
+        if share is not None and share < self.record_share:
             return False
         return any(self._best_lengths([self.alpha(0, 0)] * rows, [self.gamma_max] * rows, None, None)[0])
+
+    def drafting_share(self, rows: int) -> float | None:
+        """The share of rows that verified drafts in rounds of `rows` rows (an exponential average,
+        `observe`), or None until `record_rounds` such rounds ran."""
+        record = self._drafting.get(rows_bucket(rows))
+        return record[0] if record is not None and record[1] >= self.record_rounds else None
 
     def observe(self, accepted: list[int], verified: list[int], confidence: list[list[float]] | None,
                 verify_s: float, draft_s: float, caught_up: bool = False) -> None:
