@@ -591,24 +591,6 @@ def test_a_catch_up_is_shared_by_the_rounds_the_model_will_draft():
     assert share(req(60, 10, 10, drafted=4)) == pytest.approx(2 / 60)  # plain rounds do not slow it below 2
     assert share(req(60, 30, 10, drafted=10)) == pytest.approx(3 / 60)  # the model drafted all its rounds
     assert share(req(3, 30, 10, drafted=10, looked_up=10)) == 1.0  # never more than the whole catch-up
-    assert share(req(60, 30, 10, drafted=10), drafting=0.5) == pytest.approx(3 / 30)  # half its rounds draft
-
-
-def test_a_catch_up_is_shared_only_by_the_rounds_left_that_draft():
-    """`catch_up_shares`: a batch's rows share their catch-ups over the rounds they have left as
-    far as rows of that batch size verified drafts (once `record_rounds` rounds of it ran; at
-    least `index_floor`), as a lookup's indexing is (`index_shares`)."""
-    policy = exact_policy(cost(), gamma_max=3)
-    fresh = SimpleNamespace(stats=SimpleNamespace(rounds=0, first_drafted=0, looked_up=0), num_generated=0,
-                            remaining=32)
-    assert policy.catch_up_shares([fresh] * 8) == [pytest.approx(1 / 16)] * 8  # nothing recorded: every round
-    for _ in range(policy.record_rounds):  # one row in ten verifies drafts at 8-15 rows
-        policy.observe([0] * 10, [1] + [0] * 9, None, 0.02, 0.0)
-    assert policy.catch_up_shares([fresh] * 8)[0] == pytest.approx(1 / 1.6)
-    assert policy.catch_up_shares([fresh] * 2)[0] == pytest.approx(1 / 16)  # another batch size: nothing recorded
-    for _ in range(200):  # none does any more: the floor
-        policy.observe([0] * 10, [0] * 10, None, 0.02, 0.0)
-    assert policy.catch_up_shares([fresh] * 8)[0] == 1.0  # 16 rounds x 0.05: the whole catch-up
 
 
 def test_drafting_stops_where_the_next_draft_is_not_worth_a_step():

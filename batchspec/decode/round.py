@@ -79,9 +79,9 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         first_fed = None
         if engine.draft_runner is not None:  # the draft model first catches up on what it has not seen:
             # a one-off cost that serves the rounds it drafts for the request from now on, so a round
-            # is charged its share (`catch_up_shares`), priced per token fed (`CostModel.catch_up`)
-            first_fed = [1 + policy.catch_up(len(batch), (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1) * share)
-                         for r, share in zip(batch, policy.catch_up_shares(batch))]
+            # is charged its share (`catch_up_share`), priced per token fed (`CostModel.catch_up`)
+            first_fed = [1 + policy.catch_up(len(batch), (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1)
+                                             * policy.catch_up_share(r)) for r in batch]
         # a lookup drafter first indexes what it has not seen: a one-off priced at each row's share
         index_s = 0.0
         if hasattr(engine.drafter, "index_s"):

@@ -200,8 +200,7 @@ class HybridDrafter:
             return DraftProposal(tokens, None, [len(f) for f in found])
         # what a row's catch-up (its prompt, or a stretch the lookup drafted) costs serves the rounds
         # the model drafts for it from now on: the gate charges this round the share a plan does
-        # were every round left to draft (`AdaptivePolicy.catch_up_share`: the gate compares the
-        # rounds the model drafts, not how often it does) and leaves the rest out, pro rata of the tokens
+        # (`AdaptivePolicy.catch_up_share`) and leaves the rest of it out, pro rata of the tokens
         # fed (a row fed once normally has 1 or 2 tokens unseen). Left out whole, a request the
         # lookup serves almost alone paid a ~700-token catch-up for a model round or two (echo
         # workload, batch 1: 0.3-0.45 s of catch-ups in 8 s, the hybrid 6 % behind `suffix`)

@@ -506,34 +506,22 @@ class AdaptivePolicy:
         drafting = 1.0 if share is None else max(self.index_floor, share)
         return [min(1.0, 1.0 / (AdaptivePolicy.rounds_left(r) * drafting)) for r in reqs]
 
-    def catch_up_shares(self, reqs: list) -> list[float]:
-        """`catch_up_share` of each request of a batch, its rounds left counted only as far as
-        rows of this batch size draft (`drafting_share`, at least `index_floor`, as in
-        `index_shares`): a catch-up serves later rounds only if they draft. Spread over every
-        round left, the draft model at 32 rows on the echo workload caught up on whole prompts
-        to explore a round or two, then went back to plain rounds (0.14-0.53 s of draft stage in
-        4.5-5.6 s runs that verified drafts in 17-127 row-rounds of ~1500, in-process)."""
-        share = self.drafting_share(len(reqs))
-        drafting = 1.0 if share is None else max(self.index_floor, share)
-        return [self.catch_up_share(r, drafting) for r in reqs]
-
     @staticmethod
-    def catch_up_share(req, drafting: float = 1.0) -> float:
+    def catch_up_share(req) -> float:
         """The share of the draft model's catch-up on `req` one round is charged. The catch-up
         serves the rounds in which the model drafts for it from now on: the rounds it has left
         (remaining tokens at the tokens per round it has made so far, at least 2) times
         the share of its speculative rounds that the model drafted rather than a hybrid's lookup
-        (counted from one model round, so a request new to drafting counts all its rounds), times
-        `drafting`, the share of rounds likely to draft at all (`catch_up_shares`).
+        (counted from one model round, so a request new to drafting counts all its rounds).
 
         Example: 60 tokens left at 3 a round = 20 rounds; the lookup drafted 9 of its 10
         speculative rounds, the model's share (1 + 1) / (10 + 1): ~3.6 rounds -> 1/3.6 of the
         catch-up (it was charged 1/30 when every round was taken for the model's: rows the
         lookups serve then caught up over and over for one model round each; echo workload,
-        batch 32: catch-up rounds took 58-90 ms predicted at 12-14); with drafting 0.5, 1/1.8."""
+        batch 32: catch-up rounds took 58-90 ms predicted at 12-14)."""
         s = req.stats
         model_share = (s.first_drafted - s.looked_up + 1) / (s.first_drafted + 1)
-        return min(1.0, 1.0 / (AdaptivePolicy.rounds_left(req) * model_share * drafting))
+        return min(1.0, 1.0 / (AdaptivePolicy.rounds_left(req) * model_share))
 
     def split_s(self, reqs: list, refilling: bool) -> list[float] | None:
         """Seconds a round is charged per row for verifying drafts of that row while it is in a
