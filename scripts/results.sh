@@ -231,3 +231,11 @@ drafters_twin wave26
 batchspec bench --methods autoregressive,eqspec --batch-sizes 8,16,32,64 --gamma 2,4 --drafters hybrid \
   --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
   --json docs/results/wave26_adaptive_index_share.json
+# Wave 27: docs/results/wave27_catchup_{echo,plain}.json are the drafter tables (`drafters_twin`) measured on
+# commit 115a08e (the draft model's catch-up priced by the drafting record), reverted by f258120 (README,
+# "Wave 27"); evidence for that decision, not tables of the current code, so not regenerated here.
+# Wave 27: the suffix trie's faster indexing (1290d55): the drafter tables and issue 19's table at 8-64.
+drafters_twin wave27
+batchspec bench --methods autoregressive,eqspec --batch-sizes 8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
+  --json docs/results/wave27_adaptive_8to64.json
