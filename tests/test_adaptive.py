@@ -136,7 +136,7 @@ def test_index_share_follows_the_rounds_left_that_draft():
     assert policy.index_shares([going] * 8)[0] == pytest.approx(0.1)  # 4 a round: 10 rounds left
     ending = SimpleNamespace(stats=SimpleNamespace(rounds=10), num_generated=40, remaining=1)
     assert policy.index_shares([ending] * 8)[0] == 1.0
-    for _ in range(policy.record_rounds):  # one row in ten verifies drafts at 8 rows
+    for _ in range(policy.record_rounds):  # one row in ten verifies drafts at 8-15 rows (the bucket of 8)
         policy.observe([0] * 10, [1] + [0] * 9, None, 0.02, 0.0)
     assert policy.index_shares([fresh] * 8)[0] == pytest.approx(1 / 1.6)
     assert policy.index_shares([fresh] * 2)[0] == pytest.approx(1 / 16)  # (another batch size: nothing recorded)

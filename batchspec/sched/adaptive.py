@@ -504,7 +504,7 @@ class AdaptivePolicy:
         indexing (1/16 before anything is recorded)."""
         share = self.drafting_share(len(reqs))
         drafting = 1.0 if share is None else max(self.index_floor, share)
-        return [min(1.0, 1.0 / (AdaptivePolicy.rounds_left(r) * drafting)) for r in reqs]
+        return [min(1.0, 1.0 / (self.rounds_left(r) * drafting)) for r in reqs]
 
     @staticmethod
     def catch_up_share(req) -> float:
