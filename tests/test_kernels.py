@@ -96,17 +96,33 @@ def test_every_count_a_verify_pass_feeds_is_timed(fresh):
 
 def test_a_count_between_ladder_counts_runs_as_the_cheaper_of_the_next_and_itself():
     """`plan_from_times` above 32 (the EPYC's numbers, in ms): W @ x^T at 40 beats F.linear at 36
-    as interpolated between 32 and 40, so 36 runs as 40 rows of W @ x^T; where W @ x^T at 40 is
+    as interpolated between 33 and 40, so 36 runs as 40 rows of W @ x^T; where W @ x^T at 40 is
     slow, 36 stays 36 rows under F.linear, untimed but no worse than before the ladder."""
     def times(mm_at_40):
         seconds = {(n, name): 20.0 for n in kernels.COUNTS for name in ("linear", "mm")}
-        seconds.update({(32, "linear"): 14.7, (40, "linear"): 16.5, (32, "mm"): 10.1, (40, "mm"): mm_at_40})
+        seconds.update({(32, "linear"): 14.7, (33, "linear"): 14.7, (40, "linear"): 16.5, (32, "mm"): 10.1,
+                        (40, "mm"): mm_at_40})
         return seconds
     plan = kernels.plan_from_times(times(12.5), pad_s=pads(0.1))
     assert plan.fed[36] == 40 and 36 in plan.mm
     plan = kernels.plan_from_times(times(16.0), pad_s=pads(0.1))
-    assert plan.fed[36] == 36 and 36 not in plan.mm  # 15.6 interpolated against 16.0 x 1.05 + 0.1
+    assert plan.fed[36] == 36 and 36 not in plan.mm  # 15.7 interpolated against 16.0 x 1.05 + 0.1
     assert plan.fed[32] == 32 and 32 in plan.mm  # a timed count: as timed
+
+
+def test_f_linear_is_interpolated_from_the_count_after_a_step_not_the_step():
+    """A kernel blocked for 32 tokens is slow from 33 on (the EPYC: F.linear 13.7 ms at 33, 13.0 at
+    40; W @ x^T 9.1 at 32, 12.7 at 33, 11.4 at 40): the ladder times the count after each step, and
+    a count in between is interpolated from there. Interpolated from a fast 32 (11 ms here), 34 to
+    39 would run unpadded under F.linear at 11.5-12.8 ms "predicted", 13.5 or so in fact, where 40
+    rows of W @ x^T take 12.2."""
+    assert {33, 41, 65, 225} <= set(kernels.LADDER) and 257 not in kernels.COUNTS
+    seconds = {(n, name): 30.0 for n in kernels.COUNTS for name in ("linear", "mm")}
+    seconds.update({(32, "linear"): 11.0, (33, "linear"): 13.7, (40, "linear"): 13.0,
+                    (32, "mm"): 9.1, (33, "mm"): 12.7, (40, "mm"): 11.4})
+    plan = kernels.plan_from_times(seconds, pad_s=pads(0.2))
+    assert all(plan.fed[n] == 40 and n in plan.mm for n in range(34, 40))  # 12.2 against 13.1-13.6
+    assert plan.fed[33] == 40 and 33 in plan.mm  # timed: 12.7 as itself, 12.2 as 40 rows
 
 
 def test_every_matrix_is_timed_not_one_per_shape(fresh):

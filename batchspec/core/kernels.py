@@ -41,14 +41,20 @@ EPYC: F.linear 14.7, 16.5, 18.6, 20.8 ms at 32, 40, 48, 64 tokens, W @ xᵀ 10.1
 (and 17.7 at 46): 33 to 47 tokens run as 48 rows of W @ xᵀ (40 as itself), and a pass of 32
 rows with 16 drafts costs 15 % more in its linears than a plain step, not 80 %. Between ladder
 counts a count may also run unpadded under F.linear (its time interpolated); above 256, F.linear
-as it is.
+as it is. The ladder times the count after each of its steps too (33, 41, ..., 225): a BLAS
+kernel is blocked for the step and falls off a cliff one token above it, so F.linear's time
+interpolated from the step itself was a fiction. Interpolated from 32 and 40 (13.1 and 13.0 ms),
+33 to 35 tokens ran unpadded under F.linear at 13.7-14.6 ms against 11.4 as 40 rows of W @ xᵀ (the
+EPYC above; those counts are what a verify pass of 32 rows feeds with 1 to 7 drafts, or of 8 rows
+with 25 to 31): a pass of 32 rows with one draft took 1.25-1.3x a plain step. Whether the fiction
+won depended on the sweep's noise: three measurements on one machine gave three plans for 33-79.
 
 Every matrix is timed in the order a forward reads them, not one of each shape: a decoding step
 streams the whole model through the caches, and a kernel that wins on a matrix already in cache
 can lose on one read from memory. Timed one per shape (four matrices, 1.6 MB, cache-resident), the
 EPYC above chose `F.linear` at 2 tokens (0.23 against 0.37 ms); over all of the bundled target's
 (57 MB) W @ xᵀ wins there (5.4 against 6.2 ms), and plain decoding at batch 2 made 105-114
-tokens/s with the first choice against 147-172 with the second. Measuring takes ~7 s for the
+tokens/s with the first choice against 147-172 with the second. Measuring takes ~10 s for the
 bundled target and ~1 s for its draft on the EPYC, once per machine (the ladder's counts in the
 first LADDER_SWEEPS sweeps only: they take longest and vary least).
 """
@@ -64,9 +70,10 @@ import torch.nn.functional as F
 from .. import cache
 
 DENSE = 32  # every count up to this is timed (decoding and verifying small batches feed them all)
-LADDER = (40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # and these above it (see the docstring)
+STEPS = (40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # and these above it (see the docstring),
+LADDER = tuple(sorted({*STEPS, *(n + 1 for n in (DENSE, *STEPS[:-1]))}))  # each with the count after the one before
 COUNTS = (*range(1, DENSE + 1), *LADDER)  # token counts timed; above the last, F.linear as it is
-LADDER_SWEEPS = 2  # sweeps that time the ladder too: its counts take longest and vary least
+LADDER_SWEEPS = 3  # sweeps that time the ladder too: its counts take longest and vary least
 PAD_MARGIN = 0.05  # rows are added only where the larger count is this much faster: not on noise
 _CHOSEN: dict[tuple, Plan] = {}
 
@@ -156,11 +163,12 @@ def plan_from_times(seconds: dict[tuple[int, str], float], pad_s: dict[int, floa
     rows costs pad_s[m] (a copy of m rows) and the kernel's time counts PAD_MARGIN more.
     A count between two ladder counts (not timed) may also run as itself under `F.linear`, what it
     did before it had a plan, at the time interpolated between theirs (`F.linear`'s time grows
-    smoothly with the count; W @ xᵀ's jumps, so it is never guessed).
+    smoothly with the count from one step of the ladder to the next, the count after a step timed
+    too; W @ xᵀ's jumps, so it is never guessed).
 
     Example: linear/mm 7.3/7.4 ms at 12, 7.5/5.5 at 16, pad_s[16] 0.1 -> 12 runs as 16 rows of W @ xᵀ
-    (5.5 x 1.05 + 0.1 = 5.9 ms against 7.3). Between the ladder's 32 and 40: linear 14.7 and 16.5
-    ms, mm 10.1 and 12.5 -> 36 runs as 40 rows of W @ xᵀ (13.2 against F.linear's 15.6 at 36)."""
+    (5.5 x 1.05 + 0.1 = 5.9 ms against 7.3). Between the ladder's 33 and 40: linear 14.7 and 16.5
+    ms, mm 12.7 and 12.5 -> 36 runs as 40 rows of W @ xᵀ (13.2 against F.linear's 15.7 at 36)."""
     fed, by_mm = [0], set()
     for n in range(1, COUNTS[-1] + 1):
         options = [(seconds[(m, name)] * (1 + PAD_MARGIN) + pad_s[m] if m > n else seconds[(m, name)], m, name)
