@@ -239,3 +239,9 @@ drafters_twin wave27
 batchspec bench --methods autoregressive,eqspec --batch-sizes 8,16,32,64 --gamma 2,4 --drafters hybrid \
   --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
   --json docs/results/wave27_adaptive_8to64.json
+# Wave 28: the kernel plan times the count after each step of its ladder (core/kernels.py): the drafter
+# tables and issue 19's table at 8-64 on the profile measured again with the new plan.
+drafters_twin wave28
+batchspec bench --methods autoregressive,eqspec --batch-sizes 8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
+  --json docs/results/wave28_adaptive_8to64.json
