@@ -659,6 +659,21 @@ def test_held_rows_draft_whatever_the_plan_and_the_others_are_planned_around_the
     assert budgeted.prune([0.9] * 3, [3, 3, 3], None, 0.0, held=[0, 0, 1]) in ([1, 0, 1], [0, 1, 1])
 
 
+def test_a_profile_times_its_points_in_sweeps():
+    """`fastest`: every runner once per sweep, two warm-up sweeps, the fastest of the rest. A slow
+    spell of the machine (here the 5th to 8th runs, the first two timed sweeps) costs each point
+    two of its five runs; timed one point at a time, it would have taken four of one point's."""
+    from batchspec.bench import costs
+
+    clock, order = iter([1, 1, 1, 1, 9, 9, 9, 9, 2, 3, 2, 3, 5, 5]), []
+
+    def runner(name):
+        return lambda: order.append(name) or next(clock)
+
+    best = costs.fastest({"a": runner("a"), "b": runner("b")}, repeats=5)
+    assert order == ["a", "b"] * 7 and best == {"a": 2, "b": 3}
+
+
 def test_step_cost_profiles_are_kept_on_disk(tmp_path, monkeypatch):
     """A profile is measured once per machine (`batchspec/cache.py`): with the in-memory cache
     emptied (a new process), it is read back from `BATCHSPEC_CACHE`, the same numbers, after one
@@ -667,8 +682,8 @@ def test_step_cost_profiles_are_kept_on_disk(tmp_path, monkeypatch):
     from batchspec.bench import costs
 
     p = pair("llama", "perturbed")
-    calls, step_time = [], costs.step_time
-    monkeypatch.setattr(costs, "step_time", lambda *a, **k: calls.append(1) or step_time(*a, **k))
+    calls, fastest = [], costs.fastest  # one call per profile measured, and per pass the check times
+    monkeypatch.setattr(costs, "fastest", lambda *a, **k: calls.append(1) or fastest(*a, **k))
     monkeypatch.setattr(costs, "_PROFILES", {})
     monkeypatch.setenv("BATCHSPEC_CACHE", str(tmp_path))
 
