@@ -245,3 +245,9 @@ drafters_twin wave28
 batchspec bench --methods autoregressive,eqspec --batch-sizes 8,16,32,64 --gamma 2,4 --drafters hybrid \
   --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
   --json docs/results/wave28_adaptive_8to64.json
+# Wave 28, then: the step-cost profile timed in sweeps (bench/costs.py `fastest`): the drafter tables and
+# issue 19's table at 8-64 on the final code.
+drafters_twin wave28_final
+batchspec bench --methods autoregressive,eqspec --batch-sizes 8,16,32,64 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
+  --json docs/results/wave28_final_adaptive_8to64.json

@@ -662,7 +662,8 @@ def test_held_rows_draft_whatever_the_plan_and_the_others_are_planned_around_the
 def test_a_profile_times_its_points_in_sweeps():
     """`fastest`: every runner once per sweep, two warm-up sweeps, the fastest of the rest. A slow
     spell of the machine (here the 5th to 8th runs, the first two timed sweeps) costs each point
-    two of its five runs; timed one point at a time, it would have taken four of one point's."""
+    two of its five timed runs, where timed one point at a time a spell as long as one point's
+    runs takes all of them."""
     from batchspec.bench import costs
 
     clock, order = iter([1, 1, 1, 1, 9, 9, 9, 9, 2, 3, 2, 3, 5, 5]), []

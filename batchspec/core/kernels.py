@@ -55,7 +55,7 @@ can lose on one read from memory. Timed one per shape (four matrices, 1.6 MB, ca
 EPYC above chose `F.linear` at 2 tokens (0.23 against 0.37 ms); over all of the bundled target's
 (57 MB) W @ xᵀ wins there (5.4 against 6.2 ms), and plain decoding at batch 2 made 105-114
 tokens/s with the first choice against 147-172 with the second. Measuring takes ~10 s for the
-bundled target and ~1 s for its draft on the EPYC, once per machine (the ladder's counts in the
+bundled target and ~2 s for its draft on the EPYC, once per machine (the ladder's counts in the
 first LADDER_SWEEPS sweeps only: they take longest and vary least).
 """
 
@@ -70,8 +70,8 @@ import torch.nn.functional as F
 from .. import cache
 
 DENSE = 32  # every count up to this is timed (decoding and verifying small batches feed them all)
-STEPS = (40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # and these above it (see the docstring),
-LADDER = tuple(sorted({*STEPS, *(n + 1 for n in (DENSE, *STEPS[:-1]))}))  # each with the count after the one before
+STEPS = (40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)  # and these above it (see the docstring)
+LADDER = tuple(sorted({*STEPS, *(n + 1 for n in (DENSE, *STEPS[:-1]))}))  # the steps, and the count after each
 COUNTS = (*range(1, DENSE + 1), *LADDER)  # token counts timed; above the last, F.linear as it is
 LADDER_SWEEPS = 3  # sweeps that time the ladder too: its counts take longest and vary least
 PAD_MARGIN = 0.05  # rows are added only where the larger count is this much faster: not on noise
