@@ -152,6 +152,11 @@ issue19_twin() {
     --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
     --json "docs/results/$1_adaptive.json"
 }
+issue19_8to64() {  # issue 19's command at batch 8-64 only, into docs/results/$1.json
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 8,16,32,64 --gamma 2,4 --drafters hybrid \
+    --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
+    --json "docs/results/$1.json"
+}
 drafters_twin() {
   for w in echo plain; do
     g=8; [ "$w" = plain ] && g=4
@@ -228,26 +233,18 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 16,32,64 --gamma 2
 drafters_twin wave26
 # Wave 26, then: a lookup's indexing shared over the rounds likely to draft (AdaptivePolicy.index_share),
 # issue 19's table at 8-64 on that code (the drafter tables above were measured before it, on 2ea95b8).
-batchspec bench --methods autoregressive,eqspec --batch-sizes 8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
-  --json docs/results/wave26_adaptive_index_share.json
+issue19_8to64 wave26_adaptive_index_share
 # Wave 27: docs/results/wave27_catchup_{echo,plain}.json are the drafter tables (`drafters_twin`) measured on
 # commit 115a08e (the draft model's catch-up priced by the drafting record), reverted by f258120 (README,
 # "Wave 27"); evidence for that decision, not tables of the current code, so not regenerated here.
 # Wave 27: the suffix trie's faster indexing (1290d55): the drafter tables and issue 19's table at 8-64.
 drafters_twin wave27
-batchspec bench --methods autoregressive,eqspec --batch-sizes 8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
-  --json docs/results/wave27_adaptive_8to64.json
+issue19_8to64 wave27_adaptive_8to64
 # Wave 28: the kernel plan times the count after each step of its ladder (core/kernels.py): the drafter
 # tables and issue 19's table at 8-64 on the profile measured again with the new plan.
 drafters_twin wave28
-batchspec bench --methods autoregressive,eqspec --batch-sizes 8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
-  --json docs/results/wave28_adaptive_8to64.json
+issue19_8to64 wave28_adaptive_8to64
 # Wave 28, then: the step-cost profile timed in sweeps (bench/costs.py `fastest`): the drafter tables and
 # issue 19's table at 8-64 on the final code.
 drafters_twin wave28_final
-batchspec bench --methods autoregressive,eqspec --batch-sizes 8,16,32,64 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
-  --json docs/results/wave28_final_adaptive_8to64.json
+issue19_8to64 wave28_final_adaptive_8to64
