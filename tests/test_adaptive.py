@@ -675,6 +675,22 @@ def test_a_profile_times_its_points_in_sweeps():
     assert order == ["a", "b"] * 7 and best == {"a": 2, "b": 3}
 
 
+def test_a_profile_holds_one_kv_buffer_per_model_and_row_count(monkeypatch):
+    """The passes a profile times in sweeps are all set up at once, so each model's passes of one
+    row count share one KV buffer, as wide as the widest (a buffer per pass would hold the grid's
+    columns times a batch's KV: 9 of 64 rows for gamma 8). Rows (1, 2) x columns (1, 2) with a draft
+    model: 2 buffers of the target, 2 of the draft (its catch-up pass the widest at 1 row)."""
+    from batchspec.bench import costs
+
+    p = pair("llama", "perturbed")
+    made, kv_buffer = [], costs.kv_buffer
+    monkeypatch.setattr(costs, "kv_buffer", lambda m, b, c: made.append((m is p.target, b, c)) or kv_buffer(m, b, c))
+    monkeypatch.setattr(costs, "_PROFILES", {})
+    monkeypatch.setenv("BATCHSPEC_CACHE", "off")
+    costs.profile_costs(p.target, p.draft, (1, 2), (1, 2), context=16, repeats=1)
+    assert sorted(made) == [(False, 1, 16 + 1 + costs.CATCH_UP), (False, 2, 17), (True, 1, 18), (True, 2, 18)]
+
+
 def test_step_cost_profiles_are_kept_on_disk(tmp_path, monkeypatch):
     """A profile is measured once per machine (`batchspec/cache.py`): with the in-memory cache
     emptied (a new process), it is read back from `BATCHSPEC_CACHE`, the same numbers, after one

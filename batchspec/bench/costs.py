@@ -29,19 +29,27 @@ def ideal_speedup(alpha: float, gamma: int, c: float, v: float) -> float:
     return tokens / (gamma * c + v)
 
 
+def kv_buffer(model, batch: int, capacity: int) -> RowKV:
+    """A KV buffer of `batch` rows of `capacity` columns for `model`, filled with random values."""
+    layers, heads, head_dim = kv_shape(model)
+    kv = RowKV(layers, heads, head_dim, batch, capacity, model.dtype, model.device)
+    kv.data.copy_(torch.randn(kv.data.shape, generator=torch.Generator(device="cpu").manual_seed(0)))
+    return kv
+
+
 def step_runner(model, batch: int, context: int, tokens: int, forward: str = "auto",
-                first: int | None = None) -> Callable[[], float]:
+                first: int | None = None, kv: RowKV | None = None) -> Callable[[], float]:
     """A function that runs one forward of `tokens` tokens per row over a `context`-token KV cache,
     through the forward the engine runs (`batchspec.core.forward`), and returns its seconds; with
-    `first`, row 0 is fed that many tokens and every other row `tokens` (a ragged pass)."""
+    `first`, row 0 is fed that many tokens and every other row `tokens` (a ragged pass). `kv`: a
+    buffer of `batch` rows at least context + tokens wide to run in (runners may share one: a pass
+    reads its rows' first context + tokens columns, as the engine reads a row of its buffer)."""
     counts = [tokens] * batch if first is None else [first] + [tokens] * (batch - 1)
     tokens = max(counts)
     run = make_forward(model, forward)
-    layers, heads, head_dim = kv_shape(model)
     capacity = context + tokens
+    kv = kv if kv is not None else kv_buffer(model, batch, capacity)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    kv = RowKV(layers, heads, head_dim, batch, capacity, model.dtype, model.device)
-    kv.data.copy_(torch.randn(kv.data.shape, generator=gen))
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (batch, tokens), generator=gen).to(model.device)
     positions, visible = row_inputs([context] * batch, tokens, capacity, model.device)
@@ -132,13 +140,18 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
             _PROFILES[key] = cached
     if key not in _PROFILES:
         b, n = rows[-1], cols[-1]
-        runners = {("verify", r, c): step_runner(target, r, context, c, forward) for r in rows for c in cols}
+        passes = {("verify", r, c): (target, r, c, None) for r in rows for c in cols}  # (model, rows, tokens, first)
         if b > 1 and n > 1:  # one row fed n tokens, the others 1: what a packed pass saves per token
-            runners[("ragged", b, n)] = step_runner(target, b, context, 1, forward, first=n)
+            passes[("ragged", b, n)] = (target, b, 1, n)
         if draft is not None:
-            runners.update({("draft", r, 1): step_runner(draft, r, context, 1, forward) for r in {*rows, 1}})
-            runners[("draft", 1, 1 + CATCH_UP)] = step_runner(draft, 1, context, 1 + CATCH_UP, forward)
-        timed = fastest(runners, repeats)
+            passes.update({("draft", r, 1): (draft, r, 1, None) for r in {*rows, 1}})
+            passes[("draft", 1, 1 + CATCH_UP)] = (draft, 1, 1 + CATCH_UP, None)
+        widest: dict = {}  # one buffer per model and row count, as wide as its widest pass, not one a pass
+        for model, r, c, first in passes.values():
+            widest[(model, r)] = max(widest.get((model, r), 0), context + max(c, first or 0))
+        buffers = {(model, r): kv_buffer(model, r, width) for (model, r), width in widest.items()}
+        timed = fastest({name: step_runner(model, r, context, c, forward, first, buffers[(model, r)])
+                         for name, (model, r, c, first) in passes.items()}, repeats)
         verify = {(r, c): timed[("verify", r, c)] for r in rows for c in cols}
         for i, r in enumerate(rows):  # a noisy machine can time a bigger pass faster: more never costs less
             for j, c in enumerate(cols):
