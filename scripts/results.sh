@@ -248,3 +248,5 @@ issue19_8to64 wave28_adaptive_8to64
 # issue 19's table at 8-64 on the final code.
 drafters_twin wave28_final
 issue19_8to64 wave28_final_adaptive_8to64
+batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,8,32 --num-prompts 32 --max-new-tokens 64 \
+  --json docs/results/verify_wave28.json
