@@ -1,6 +1,6 @@
 """The adaptive policy's cost profile, corrections, guard and decisions after two runs at batch 32 and 8.
 
-Usage: PYTHONPATH=. python scripts/cuda_policy.py DEVICE   (docs/cuda.md)"""
+Usage: PYTHONPATH=. python scripts/cuda_policy.py DEVICE [PROMPTS NEW_TOKENS]   (docs/cuda.md; 64 x 32)"""
 import sys
 import time
 
@@ -9,8 +9,9 @@ from batchspec.prompts import load_prompts
 
 device = sys.argv[1]
 pair = load_pair(device=device)
-texts = load_prompts(limit=64)
-params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+n, new = (int(a) for a in sys.argv[2:4]) if len(sys.argv) > 3 else (64, 32)
+texts = load_prompts(limit=n)
+params = SamplingParams(max_new_tokens=new, ignore_eos=True)
 for bs in (32, 8):
     e = SpecEngine(pair, EngineConfig(batch_size=bs))
     for _ in range(2):

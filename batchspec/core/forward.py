@@ -105,7 +105,11 @@ def lean_unsupported(model) -> str | None:
 
 
 FOLD_TOKENS = 32  # at most this many query tokens per row: `LeanForward._attend` folds GQA heads
-ROW_ATTENTION_TOKENS = 32  # a packed pass feeding more columns than this attends row by row (prefill)
+# A packed pass feeding more columns than this attends row by row (prefill), on a CPU only: on a GPU
+# the rows' kernel launches cost more than the padded layout's wasted query-key pairs (an H100, 64
+# bundled prompts x 32 new tokens at 64 rows: by row, 1264 attention calls took 0.44 s of a 1.16 s
+# run, docs/cuda.md).
+ROW_ATTENTION_TOKENS = 32
 MM_EVERYWHERE = Plan.everywhere(mm=True)  # `matmul`'s default: W @ x^T up to kernels.COUNTS[-1] tokens
 VIEW_ROWS = 16  # from this many tokens on, the gate/up product's output is left transposed (see `matmul`)
 LEAN_REVISION = 2  # raised when the lean forward's costs change: step-cost profiles cached before are stale
@@ -385,7 +389,7 @@ class LeanForward:
         cos, sin = cos[0], sin[0]  # [C, 1, head_dim]
         q_heads = self.heads[0]
         folded = self._fold_mask(visible, n)
-        by_row = n > ROW_ATTENTION_TOKENS and hasattr(kv, "read_row")
+        by_row = attends_by_row(n, kv, ids.device)
         copy_act = packed.numel() < VIEW_ROWS  # (see `matmul`)
         for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):
             q, k, v = self._qkv(qkv(ln1(x)), q_norm, k_norm, cos, sin)  # [C, heads, head_dim]
@@ -414,6 +418,12 @@ class LeanForward:
         out = logits.new_zeros(batch * n, logits.shape[-1])
         out[packed] = logits
         return out.view(batch, n, -1)  # padding columns: zero logits
+
+
+def attends_by_row(n: int, kv, device: torch.device) -> bool:
+    """Whether a packed pass feeding n columns attends row by row (`_attend_by_row`): prefill
+    chunks on a CPU, over a KV that reads one row at a time (see ROW_ATTENTION_TOKENS)."""
+    return n > ROW_ATTENTION_TOKENS and hasattr(kv, "read_row") and device.type == "cpu"
 
 
 def _select(logits: torch.Tensor, select) -> torch.Tensor | None:
