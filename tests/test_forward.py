@@ -113,6 +113,36 @@ def test_fused_weights_are_shared_with_the_modules(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fresh_rows_attend_causally_unmasked(arch, monkeypatch):
+    """Prompts fed from column 0 in the padded layout (little padding, so not packed) attend with
+    SDPA's causal flag instead of the mask, and each row still gets its logits alone; a pass
+    whose rows start later keeps the mask."""
+    from batchspec.core import forward as fw
+
+    model = model_for(arch)
+    lengths, extra = [40, 37, 39], 3  # more than FOLD_TOKENS columns, 1 - 116 / 120 padding: not packed
+    gen = torch.Generator().manual_seed(2)
+    ids, more = torch.randint(0, VOCAB, (3, 40), generator=gen), torch.randint(0, VOCAB, (3, extra), generator=gen)
+    calls, sdpa = [], fw.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        calls.append((q.shape[0], is_causal, attn_mask is None))
+        return sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(fw.F, "scaled_dot_product_attention", spy)
+    first, second, _ = run_rows(LeanForward(model), model, lengths, extra, ids=ids, more=more)
+    layers = len(LeanForward(model).layers)
+    calls = [c for c in calls if c[0] == 3]  # (the lean forward's own checks run a row alone)
+    assert calls == [(3, True, True)] * layers + [(3, False, False)] * layers  # prompts causal, then masked
+    monkeypatch.setattr(fw.F, "scaled_dot_product_attention", sdpa)
+    for i, n in enumerate(lengths):
+        alone_first, alone_second, _ = run_rows(LeanForward(model), model, [n], extra, ids=ids[i:i + 1, :n],
+                                                more=more[i:i + 1])
+        torch.testing.assert_close(first[i, :n], alone_first[0, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(second[i], alone_second[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 def test_packed_forward_equals_padded(arch, monkeypatch):
     """Computing only the real tokens of a ragged input (core/rows.py PACK_SHARE) changes nothing."""
