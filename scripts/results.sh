@@ -250,3 +250,16 @@ drafters_twin wave28_final
 issue19_8to64 wave28_final_adaptive_8to64
 batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,8,32 --num-prompts 32 --max-new-tokens 64 \
   --json docs/results/verify_wave28.json
+verify_exact() {  # exactness at 1, 8 and 32 for every method, into docs/results/$1.json
+  batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,8,32 --num-prompts 32 --max-new-tokens 64 \
+    --json "docs/results/$1.json"
+}
+# Wave 29: prompts fed from column 0 attend causally in the padded layout (c10b23f): the drafter tables,
+# issue 19's table at 8-64 and verify on that code; then the same after verify passes over rows of unequal
+# width attend row by row (the final code).
+drafters_twin wave29
+issue19_8to64 wave29_adaptive_8to64
+verify_exact verify_wave29
+drafters_twin wave29_final
+issue19_8to64 wave29_final_adaptive_8to64
+verify_exact verify_wave29_final

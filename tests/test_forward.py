@@ -195,14 +195,74 @@ def test_prefill_attends_by_row_on_a_cpu_only():
     """On a GPU one padded attention call beats a call per row (docs/cuda.md: at 64 rows on an H100
     the calls by row took 0.44 s of a 1.16 s run); decoding widths never attend by row."""
     from batchspec.core.forward import ROW_ATTENTION_TOKENS, attends_by_row
-    from batchspec.core.rows import RowBatch
 
-    kv = RowBatch.__new__(RowBatch)  # (only its kind matters)
+    kv = RowSpans([0, 0], [ROW_ATTENTION_TOKENS + 1, 20])
     wide = ROW_ATTENTION_TOKENS + 1
     assert attends_by_row(wide, kv, torch.device("cpu"))
     assert not attends_by_row(wide, kv, torch.device("cuda"))
-    assert not attends_by_row(ROW_ATTENTION_TOKENS, kv, torch.device("cpu"))
+    assert not attends_by_row(ROW_ATTENTION_TOKENS, RowSpans([0, 0], [32, 32]), torch.device("cpu"))
     assert not attends_by_row(wide, object(), torch.device("cpu"))  # a KV without rows to read
+
+
+class RowSpans:
+    """A stand-in for `RowBatch` where only its rows' spans matter."""
+
+    def __init__(self, starts: list[int], counts: list[int]) -> None:
+        self.row_spans = (list(range(len(starts))), starts, counts)
+
+    def read_row(self, layer: int, i: int):
+        raise AssertionError("not read")
+
+
+def test_verify_attends_by_row_where_the_padded_layout_wastes_more_than_a_call():
+    """`attends_by_row`'s docstring examples: 8 rows verifying 9 tokens, widths 445 on average and
+    910 at the widest, by row; 235 and 354, padded; one token a row at 445 and 910, padded; on a
+    GPU never."""
+    from batchspec.core.forward import attends_by_row
+
+    cpu = torch.device("cpu")
+    skewed = [910, 160, 300, 420, 250, 700, 380, 440]  # mean 445
+    assert sum(skewed) == 8 * 445
+    assert attends_by_row(9, RowSpans([w - 9 for w in skewed], [9] * 8), cpu)
+    assert not attends_by_row(9, RowSpans([w - 9 for w in skewed], [9] * 8), torch.device("cuda"))
+    even = [354, 200, 210, 220, 230, 190, 240, 236]  # mean 235
+    assert sum(even) == 8 * 235
+    assert not attends_by_row(9, RowSpans([w - 9 for w in even], [9] * 8), cpu)
+    assert not attends_by_row(1, RowSpans([w - 1 for w in skewed], [1] * 8), cpu)
+    # rows fed fewer tokens than the widest row's count waste its padding queries too
+    assert attends_by_row(9, RowSpans([500, 500, 500, 500], [9, 1, 1, 1]), cpu)
+    assert not attends_by_row(9, RowSpans([500, 500, 500, 500], [9, 9, 9, 9]), cpu)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("feeds", [[5, 1, 0, 3], [4, 4, 4, 4]])
+def test_verify_attention_by_row_equals_padded(arch, feeds, monkeypatch):
+    """A verify pass (rows after their KV: fed 1-5 tokens, one row idle, packed; or 4 each, in the
+    padded layout) attends row by row, grouped query heads folded, as the padded layout does."""
+    from batchspec.core import forward as fw
+    from batchspec.core.rows import RowBatch, RowKV
+    from batchspec.core.runner import kv_shape
+
+    model = model_for(arch)
+    prompts = [60, 7, 33, 90]
+
+    def run(waste: int) -> torch.Tensor:
+        monkeypatch.setattr(fw, "ROW_WASTE_PAIRS", waste)
+        gen = torch.Generator().manual_seed(3)
+        kv = RowKV(*kv_shape(model), 4, 128, model.dtype, model.device)
+        kv.make_clean([0, 1, 2, 3], 128)
+        for starts, counts in (([0] * 4, prompts), (prompts, feeds)):
+            batch = RowBatch(kv, [0, 1, 2, 3], starts, counts)
+            positions, visible = row_inputs(starts, max(counts), batch.width, model.device)
+            ids = torch.randint(0, VOCAB, (4, max(counts)), generator=gen)
+            out = LeanForward(model)(ids, positions, batch, visible)
+        assert (batch.packed is not None) == (0 in feeds)
+        assert fw.attends_by_row(max(feeds), batch, model.device) == (waste == 0)
+        return out
+
+    by_row, padded = run(0), run(10**9)
+    for i, n in enumerate(feeds):
+        torch.testing.assert_close(by_row[i, :n], padded[i, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_folded_attention_takes_the_output_layout_cuda_returns(monkeypatch):

@@ -110,6 +110,10 @@ FOLD_TOKENS = 32  # at most this many query tokens per row: `LeanForward._attend
 # bundled prompts x 32 new tokens at 64 rows: by row, 1264 attention calls took 0.44 s of a 1.16 s
 # run, docs/cuda.md).
 ROW_ATTENTION_TOKENS = 32
+# A packed verify pass (fewer columns) attends row by row on a CPU where the padded layout would
+# compute more than this many query-key pairs a row that the rows' own widths do not need: a call
+# per row costs ~45 us, a (query, key) pair ~0.02 us (see `attends_by_row`).
+ROW_WASTE_PAIRS = 2250
 MM_EVERYWHERE = Plan.everywhere(mm=True)  # `matmul`'s default: W @ x^T up to kernels.COUNTS[-1] tokens
 VIEW_ROWS = 16  # from this many tokens on, the gate/up product's output is left transposed (see `matmul`)
 LEAN_REVISION = 2  # raised when the lean forward's costs change: step-cost profiles cached before are stale
@@ -293,15 +297,23 @@ class LeanForward:
         x = F.embedding(ids, self.embed)  # [B, n, hidden]
         cos, sin = self._rope(positions, kv.width + n, x.dtype)  # positions < T + n (padding columns included)
         folded = self._fold_mask(visible, n)
-        spans = getattr(kv, "row_spans", None)
-        fresh = spans is not None and not any(spans[1])  # every row fed from column 0 (see `_attend`)
+        fresh = _fresh(kv)
+        # a verify pass over rows of unequal width: row by row (a prompt chunk here is causal, above)
+        real = kv.rows * n + kv.feed_cols if n <= ROW_ATTENTION_TOKENS and attends_by_row(n, kv, ids.device) \
+            else None  # [real tokens] flat index into [B, n], as `_forward_packed`'s packed
+        masks = self._row_masks(kv, visible) if real is not None else None
         copy_act = batch * n < VIEW_ROWS  # (see `matmul`)
         for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):
             q, k, v = self._qkv(qkv(ln1(x)), q_norm, k_norm, cos, sin)  # [B, n, heads, head_dim] each
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, n, head_dim]
             keys, values = kv.write(index, k, v)  # [B, kv_heads, T, head_dim]
-            a = self._attend(q, keys, values, visible, folded, fresh)
-            x = x + _linear(a.transpose(1, 2).reshape(batch, n, -1), o_proj, self.plan, contiguous=False)
+            if real is None:
+                a = self._attend(q, keys, values, visible, folded, fresh).transpose(1, 2)  # [B, n, heads, D]
+            else:
+                a = q.new_zeros(batch * n, q.shape[1], self.head_dim)
+                a[real] = self._attend_by_row(q.transpose(1, 2).reshape(batch * n, -1, self.head_dim)[real],
+                                              kv, index, masks)
+            x = x + _linear(a.reshape(batch, n, -1), o_proj, self.plan, contiguous=False)
             gate, up = gate_up(ln2(x), contiguous=copy_act).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, down, self.plan, contiguous=False)
         if select is False:
@@ -348,25 +360,45 @@ class LeanForward:
         # memory, transposed, whose heads cannot be unfolded without a copy
         return out.reshape(b, hq, n, d)
 
-    def _attend_by_row(self, q: torch.Tensor, kv, index: int, visible) -> torch.Tensor:
-        """Attention of the packed queries q [C, Hq, D] (row by row, as `packed` orders them) ->
-        [C, Hq, D], one row at a time over its own keys: a prefill chunk mixes prompts of
-        different lengths, and attention over the padded [B, heads, n, T] layout costs every row
-        the longest row's n x T. Example, a chunk of 5 prompts of 303, 150, 120, 40 and 17 tokens:
-        padded, 5 x 303 x 303 query-key pairs; by row, 303² + 150² + ... (a quarter of that). A
-        row fed from column 0 is causal over itself; a later chunk of a prompt reads its mask row.
-        On the EPYC, the prefill of 64 bundled prompts at 32 rows took 0.79x the time (2.0 s against
-        2.5), at 8 rows 0.83x."""
+    def _row_masks(self, kv, visible) -> list:
+        """Per row of a pass `_attend_by_row` attends: None where it is fed from column 0 (causal
+        over itself), else its mask rows over its own keys [1, 1, count, start + count], its grouped
+        query heads folded into them ([1, 1, g * count, start + count], as `_fold_mask`) for a few
+        tokens (a verify pass's row); built once for every layer."""
         _, starts, counts = kv.row_spans
-        out, at = [], 0
+        g = self.heads[0] // self.heads[1]
+        out = []
         for i, (start, count) in enumerate(zip(starts, counts)):
+            width = start + count
+            mask = None if start == 0 or count == 0 else visible[i:i + 1, :, :count, :width]
+            if mask is not None and g > 1 and count <= FOLD_TOKENS:
+                mask = mask.expand(1, g, count, width).reshape(1, 1, g * count, width)
+            out.append(mask)
+        return out
+
+    def _attend_by_row(self, q: torch.Tensor, kv, index: int, masks: list) -> torch.Tensor:
+        """Attention of the packed queries q [C, Hq, D] (row by row, as `packed` orders them) ->
+        [C, Hq, D], one row at a time over its own keys, under `masks` (`_row_masks`): a prefill
+        chunk mixes prompts of different lengths, and attention over the padded [B, heads, n, T]
+        layout costs every row the longest row's n x T. Example, a chunk of 5 prompts of 303, 150,
+        120, 40 and 17 tokens: padded, 5 x 303 x 303 query-key pairs; by row, 303² + 150² + ... (a
+        quarter of that). On the EPYC, the prefill of 64 bundled prompts at 32 rows took 0.79x the
+        time (2.0 s against 2.5), at 8 rows 0.83x. A verify pass's rows (a few tokens each, after
+        their KV) fold their grouped query heads as `_attend` does."""
+        out, at = [], 0
+        hq, d = q.shape[1], q.shape[2]
+        for i, count in enumerate(kv.row_spans[2]):
             if count == 0:
                 continue
             keys, values = kv.read_row(index, i)  # [1, Hk, start + count, D]
             qi = q[at:at + count].transpose(0, 1)[None]  # [1, Hq, count, D]
-            mask = None if start == 0 else visible[i:i + 1, :, :count, :start + count]
-            a = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, is_causal=start == 0,
-                                               scale=self.scaling, enable_gqa=qi.shape[1] != keys.shape[1])
+            hk, mask = keys.shape[1], masks[i]
+            if mask is not None and mask.shape[2] > count:  # folded
+                a = F.scaled_dot_product_attention(qi.reshape(1, hk, -1, d), keys, values, attn_mask=mask,
+                                                   scale=self.scaling).reshape(1, hq, count, d)
+            else:
+                a = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                   scale=self.scaling, enable_gqa=hq != hk)
             out.append(a[0].transpose(0, 1))  # [count, Hq, D]
             at += count
         return torch.cat(out)
@@ -395,20 +427,21 @@ class LeanForward:
         cos, sin = cos[0], sin[0]  # [C, 1, head_dim]
         q_heads = self.heads[0]
         folded = self._fold_mask(visible, n)
-        by_row = attends_by_row(n, kv, ids.device)
+        by_row, fresh = attends_by_row(n, kv, ids.device), _fresh(kv)
+        masks = self._row_masks(kv, visible) if by_row else None
         copy_act = packed.numel() < VIEW_ROWS  # (see `matmul`)
         for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):
             q, k, v = self._qkv(qkv(ln1(x)), q_norm, k_norm, cos, sin)  # [C, heads, head_dim]
             kv.write_packed(index, k, v)
             if by_row:
-                a = self._attend_by_row(q, kv, index, visible)  # [C, heads, D]
+                a = self._attend_by_row(q, kv, index, masks)  # [C, heads, D]
                 x = x + _linear(a.reshape(q.shape[0], -1), o_proj, self.plan, contiguous=False)
             else:
                 keys, values = kv.read(index)  # [B, kv_heads, T, head_dim]
                 q_pad = x.new_zeros(batch * n, q_heads, self.head_dim)
                 q_pad[packed] = q
                 a = self._attend(q_pad.view(batch, n, q_heads, -1).transpose(1, 2), keys, values, visible,
-                                 folded)  # [B, heads, n, D]
+                                 folded, fresh)  # [B, heads, n, D]
                 x = x + _linear(a.transpose(1, 2).reshape(batch * n, -1)[packed], o_proj, self.plan,
                                 contiguous=False)
             gate, up = gate_up(ln2(x), contiguous=copy_act).chunk(2, dim=-1)
@@ -426,10 +459,34 @@ class LeanForward:
         return out.view(batch, n, -1)  # padding columns: zero logits
 
 
+def _fresh(kv) -> bool:
+    """Whether every row of the pass is fed from column 0 (prompts: see `LeanForward._attend`)."""
+    spans = getattr(kv, "row_spans", None)
+    return spans is not None and not any(spans[1])
+
+
 def attends_by_row(n: int, kv, device: torch.device) -> bool:
-    """Whether a packed pass feeding n columns attends row by row (`_attend_by_row`): prefill
-    chunks on a CPU, over a KV that reads one row at a time (see ROW_ATTENTION_TOKENS)."""
-    return n > ROW_ATTENTION_TOKENS and hasattr(kv, "read_row") and device.type == "cpu"
+    """Whether a packed pass feeding n columns attends row by row (`_attend_by_row`), on a CPU, over
+    a KV that reads one row at a time: prefill chunks (more than ROW_ATTENTION_TOKENS columns), and
+    verify passes whose rows are so unequal in width that the padded layout's wasted query-key pairs
+    cost more than a call per row (ROW_WASTE_PAIRS a row). Padded, every row's n queries attend
+    over the widest row's keys; by row, row i's count_i over its own start_i + count_i.
+
+    Example, 8 rows verifying 9 tokens over 910 keys at the widest and 445 on average: padded 8 x 9
+    x 910 pairs, by row 8 x 9 x 445, 4185 fewer a row: by row (SDPA over the bundled target's heads
+    on the EPYC: 1.31 -> 1.00 ms a layer). At 354 and 235: 1071 fewer, padded (0.43 against 0.62 by
+    row). One token a row at 910 and 445: 465 fewer, padded (0.35 against 0.45 ms by row)."""
+    if device.type != "cpu" or not hasattr(kv, "read_row"):
+        return False
+    if n > ROW_ATTENTION_TOKENS:
+        return True
+    _, starts, counts = kv.row_spans
+    rows = [(s + c, c) for s, c in zip(starts, counts) if c]
+    if not rows:
+        return False
+    widest = max(w for w, _ in rows)
+    wasted = sum(n * widest - c * w for w, c in rows)
+    return wasted > ROW_WASTE_PAIRS * len(rows)
 
 
 def _select(logits: torch.Tensor, select) -> torch.Tensor | None:
