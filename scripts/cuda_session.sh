@@ -3,7 +3,7 @@
 # own time limit, 540 s in all, inside the device tool's 600 s a call. Runs with the
 # machine's own python3 and packages (torch, transformers, typer, rich: no install), from the
 # repository root:  OUT=<folder for results> bash scripts/cuda_session.sh
-#   1. verify in float32 and bfloat16, autoregressive included (the divergence note tells rounding);
+#   1. verify in float32, autoregressive included (bfloat16 rounds with the batch's shape: docs/cuda.md);
 #   2. bench on a fresh workload: the drafter forgets between runs, the whole workload warms up,
 #      --twin gives the noise floor, fixed γ 4 beside the adaptive default and the HF peers;
 #   3. the model-free drafters and the draft model on the repetitive workload (issue 20's table);

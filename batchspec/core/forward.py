@@ -110,9 +110,9 @@ FOLD_TOKENS = 32  # at most this many query tokens per row: `LeanForward._attend
 # bundled prompts x 32 new tokens at 64 rows: by row, 1264 attention calls took 0.44 s of a 1.16 s
 # run, docs/cuda.md).
 ROW_ATTENTION_TOKENS = 32
-# A packed verify pass (fewer columns) attends row by row on a CPU where the padded layout would
-# compute more than this many query-key pairs a row that the rows' own widths do not need: a call
-# per row costs ~45 us, a (query, key) pair ~0.02 us (see `attends_by_row`).
+# A verify pass (fewer columns, packed or not) attends row by row on a CPU where the padded layout
+# would compute more than this many query-key pairs a row that the rows' own widths do not need: a
+# call per row costs ~45 us, a (query, key) pair ~0.02 us (see `attends_by_row`).
 ROW_WASTE_PAIRS = 2250
 MM_EVERYWHERE = Plan.everywhere(mm=True)  # `matmul`'s default: W @ x^T up to kernels.COUNTS[-1] tokens
 VIEW_ROWS = 16  # from this many tokens on, the gate/up product's output is left transposed (see `matmul`)
@@ -298,7 +298,7 @@ class LeanForward:
         cos, sin = self._rope(positions, kv.width + n, x.dtype)  # positions < T + n (padding columns included)
         folded = self._fold_mask(visible, n)
         fresh = _fresh(kv)
-        # a verify pass over rows of unequal width: row by row (a prompt chunk here is causal, above)
+        # a verify pass over rows of unequal width: row by row (a prompt chunk here stays padded, `fresh`)
         real = kv.rows * n + kv.feed_cols if n <= ROW_ATTENTION_TOKENS and attends_by_row(n, kv, ids.device) \
             else None  # [real tokens] flat index into [B, n], as `_forward_packed`'s packed
         masks = self._row_masks(kv, visible) if real is not None else None
@@ -466,7 +466,7 @@ def _fresh(kv) -> bool:
 
 
 def attends_by_row(n: int, kv, device: torch.device) -> bool:
-    """Whether a packed pass feeding n columns attends row by row (`_attend_by_row`), on a CPU, over
+    """Whether a pass feeding n columns attends row by row (`_attend_by_row`), on a CPU, over
     a KV that reads one row at a time: prefill chunks (more than ROW_ATTENTION_TOKENS columns), and
     verify passes whose rows are so unequal in width that the padded layout's wasted query-key pairs
     cost more than a call per row (ROW_WASTE_PAIRS a row). Padded, every row's n queries attend
