@@ -305,14 +305,15 @@ class LeanForward:
         copy_act = batch * n < VIEW_ROWS  # (see `matmul`)
         for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):
             q, k, v = self._qkv(qkv(ln1(x)), q_norm, k_norm, cos, sin)  # [B, n, heads, head_dim] each
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, n, head_dim]
-            keys, values = kv.write(index, k, v)  # [B, kv_heads, T, head_dim]
             if real is None:
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, n, head_dim]
+                keys, values = kv.write(index, k, v)  # [B, kv_heads, T, head_dim]
                 a = self._attend(q, keys, values, visible, folded, fresh).transpose(1, 2)  # [B, n, heads, D]
-            else:
+            else:  # the real tokens only, in packed order: written, then attended row by row (no read)
+                q, k, v = (t.reshape(batch * n, -1, self.head_dim)[real] for t in (q, k, v))  # [C, heads, D]
+                kv.write_packed(index, k, v)
                 a = q.new_zeros(batch * n, q.shape[1], self.head_dim)
-                a[real] = self._attend_by_row(q.transpose(1, 2).reshape(batch * n, -1, self.head_dim)[real],
-                                              kv, index, masks)
+                a[real] = self._attend_by_row(q, kv, index, masks)
             x = x + _linear(a.reshape(batch, n, -1), o_proj, self.plan, contiguous=False)
             gate, up = gate_up(ln2(x), contiguous=copy_act).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, down, self.plan, contiguous=False)
