@@ -290,29 +290,6 @@ def test_a_depth_not_run_lately_follows_the_shared_scale():
     assert c.ragged(1, 2, 2) == pytest.approx(0.010, rel=0.02)
     assert c.ragged(1, 4, 4) < 0.012
 
-def test_a_depth_not_measured_at_a_batch_size_costs_what_a_shallower_one_measured_there():
-    """Passes cost what the profile says at 1 row and 1.5 x at 8 rows,
-    where only 1-draft passes ran (every row cut short after its first draft). A 2-draft pass
-    at 8 rows is priced from the 1-draft record there: taken at the shared scale it cost 24 ms
-    against the 33 ms measured for 1 draft, so every plan drafted 2 deep for a pass that would
-    then verify 1 and measure dear, and never 2 (the draft model at 23 rows on echo)."""
-    c = CostModel(rows=(1, 8), cols=(1, 2, 3), verify_s={(1, 1): 0.010, (1, 2): 0.011, (1, 3): 0.012,
-                                                         (8, 1): 0.020, (8, 2): 0.022, (8, 3): 0.024},
-                  draft_s={1: 0.002, 8: 0.003})
-    for _ in range(200):
-        c.correct(c.ragged(1, 1, 1), 0.011, 0.0, 0.0, rows=1, deepest=1)
-        c.correct(c.ragged(8, 8, 1), 0.033, 0.0, 0.0, rows=8, deepest=1)
-    assert c.ragged(1, 1, 1) == pytest.approx(0.011, rel=0.05) and c.ragged(8, 8, 1) == pytest.approx(0.033, rel=0.05)
-    # (the shared scale settles between the two batch sizes' records, each depth's relative to it)
-    assert c.ragged(8, 16, 2) == pytest.approx(1.5 * 0.024, rel=0.05) and c.ragged(8, 16, 2) > c.ragged(8, 8, 1)
-    assert c.ragged(1, 2, 2) == pytest.approx(0.012, rel=0.05)  # (batch 1 borrows its own record)
-    policy = exact_policy(c, gamma_max=2, prior=0.6, margin=1.05)
-    policy.later_rates = lambda: [0.6]
-    assert policy.plan([0.6] * 8, [2] * 8) == [0] * 8  # 8 x 1.96 tokens in 36 + 6 ms < 8 in 20 ms x 1.05
-    c.correct(c.ragged(8, 16, 2), 0.026, 0.0, 0.0, rows=8, deepest=2)  # once measured, its own record
-    assert c.ragged(8, 16, 2) < 1.5 * 0.024
-
-
 def test_acceptance_estimate_moves_from_the_prior_to_the_record():
     policy = exact_policy(cost(), gamma_max=3, prior=0.6)
     assert policy.alpha(0, 0) == pytest.approx(0.6)

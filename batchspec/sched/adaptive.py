@@ -130,21 +130,7 @@ class CostModel:
         against 14 for V(2, 3), and drafted almost only 2). The price: the shared scale follows
         the mix of depths run, so once a depth learnt dear stops running, the cheaper ones pull
         the shared scale, and its price, down until it runs again and is measured again."""
-        return self.verify_scale * self._relative(rows_bucket(b), deepest)
-
-    def _relative(self, bucket: int, deepest: int) -> float:
-        """A depth's scale relative to `verify_scale` at a batch size (in powers of two): its own
-        record, else that of the deepest shallower depth measured there, else 1. A deeper pass
-        never costs less, and taken as 1 an unmeasured depth could look cheaper than a measured
-        shallower one, and so stay unmeasured: the draft model at 23 rows on the echo workload
-        learnt depth 1 at 1.38, so every round planned depth 2 (at 1), drafted it, had `cut` stop
-        every row at 1 draft and `prune` verify nothing at depth 1's price, a wasted draft step in
-        most rounds."""
-        own = self.depth_scale.get((bucket, deepest))
-        if own is not None:
-            return own
-        shallower = [d for k, d in self.depth_scale if k == bucket and d < deepest]
-        return self.depth_scale[(bucket, max(shallower))] if shallower else 1.0
+        return self.verify_scale * self.depth_scale.get((rows_bucket(b), deepest), 1.0)
 
     def saving(self, b: int) -> float:
         """Seconds saved per token a row of a packed pass is not fed (see the class docstring)."""
@@ -236,7 +222,7 @@ class CostModel:
                 self.plain_scale *= (measured_verify / predicted_verify) ** weight
             elif rows and deepest:
                 key = (rows_bucket(rows), deepest)
-                relative = self._relative(*key)  # (a depth's first record starts from what it borrowed)
+                relative = self.depth_scale.get(key, 1.0)
                 profiled = predicted_verify / (self.verify_scale * relative)  # what it was priced from
                 self.verify_scale *= (measured_verify / (self.verify_scale * profiled)) ** weight
                 now = self.spec_scale(rows, deepest) * profiled  # the shared scale moved, the depth's not yet
