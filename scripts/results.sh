@@ -263,3 +263,12 @@ verify_exact verify_wave29
 drafters_twin wave29_final
 issue19_8to64 wave29_final_adaptive_8to64
 verify_exact verify_wave29_final
+# Wave 30: measured on 184cbe0 (a draft depth not yet measured at a batch size borrowed the relative scale of
+# the deepest shallower depth measured there), reverted by 4119280 (docs/drafters.md, "Wave 30"): evidence for
+# that decision, not tables of the current code, so not regenerated here:
+#   drafters_twin wave30; issue19_8to64 wave30_adaptive_8to64; verify_exact verify_wave30; and issue 19's
+#   command at --batch-sizes 1,2,4 into wave30_adaptive_1to4.json.
+# Then issue 19's command at batch 2 and 4 on the reverted (current) code:
+batchspec bench --methods autoregressive,eqspec --batch-sizes 2,4 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
+  --json docs/results/wave30_reverted_2to4.json
