@@ -299,8 +299,7 @@ class LeanForward:
         folded = self._fold_mask(visible, n)
         fresh = _fresh(kv)
         # a verify pass over rows of unequal width: row by row (a prompt chunk here stays padded, `fresh`)
-        real = kv.rows * n + kv.feed_cols if n <= ROW_ATTENTION_TOKENS and attends_by_row(n, kv, ids.device) \
-            else None  # [real tokens] flat index into [B, n], as `_forward_packed`'s packed
+        real = kv.real if n <= ROW_ATTENTION_TOKENS and attends_by_row(n, kv, ids.device) else None  # [C] into [B, n]
         masks = self._row_masks(kv, visible) if real is not None else None
         copy_act = batch * n < VIEW_ROWS  # (see `matmul`)
         for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):

@@ -134,10 +134,10 @@ class RowBatch(Cache):
                                  device=device)
         self.feed_cols = torch.tensor([j for c in counts for j in range(c)], dtype=torch.long, device=device)
         self.uniform = self.contiguous and len(set(starts)) == 1 and len(set(counts)) == 1
-        # [real tokens] flat index (row * n + column) of each real token in the [b, n] input, when
-        # padding is a large enough share that computing only real tokens pays (see `packed`)
-        real = sum(counts)
-        self.packed = self.rows * self.n + self.feed_cols if real <= PACK_SHARE * len(counts) * self.n else None
+        # [real tokens] flat index (row * n + column) of each real token in the [b, n] input; `packed`
+        # is the same when padding is a large enough share that computing only real tokens pays
+        self.real = self.rows * self.n + self.feed_cols
+        self.packed = self.real if sum(counts) <= PACK_SHARE * len(counts) * self.n else None
         self.start0, self.hi = starts[0], slots[0] + len(slots)
         self.row_spans = (slots, starts, counts)  # for `read_row`
         super().__init__(layers=[_Layer(self, i) for i in range(kv.data.shape[0])])
