@@ -188,6 +188,29 @@ def test_gain_scale_corrects_the_estimates_by_what_was_accepted():
     assert low.gain_scale() < 0.7 and low.plan([0.6] * 8, [3] * 8) == [0] * 8
 
 
+def test_a_short_stretch_that_accepts_little_does_not_set_the_gain_scale():
+    """`gain_scale` averages about the last 100 speculative rounds (`realised_weight` 0.01): after
+    500 rounds that accepted what was expected, 20 that accepted half of it leave it near 0.9; at a
+    weight of 0.05 they set it near 0.68, low enough to keep later rounds plain (seen at batch 2),
+    and plain rounds do not measure it again."""
+    def scale(**weight) -> float:
+        policy = AdaptivePolicy(None, gamma_max=3, **weight)
+        for accepted in [[1] * 4 + [0] * 4] * 500 + [[1] * 2 + [0] * 6] * 20:
+            policy.last = {"rows": 8, "expected": 4.0}
+            policy.observe(accepted, [3] * 8, None, 0.02, 0.002)
+        return policy.gain_scale()
+
+    assert scale() == pytest.approx(1 - 0.5 * (1 - 0.99 ** 20), rel=0.01)  # 0.91 (the default weight)
+    assert scale(realised_weight=0.05) < 0.7
+
+
+def test_intake_is_what_a_batch_brings_a_shared_index_per_round():
+    """`intake`: each row's tokens at its end over the rounds of its life (the docstring's example)."""
+    row = SimpleNamespace(stats=SimpleNamespace(rounds=10), num_generated=8, num_tokens=68, remaining=24)
+    policy = AdaptivePolicy(None, gamma_max=3)
+    assert policy.intake([row] * 4) == pytest.approx(4 * 92 / 22)
+
+
 def test_plan_is_the_best_of_uniform_lengths():
     """The per-row plan is at least as good (by the model) as every fixed γ."""
     c = cost(draft=0.004, v1=0.020, v4=0.050)

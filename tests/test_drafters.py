@@ -618,26 +618,29 @@ def test_hybrid_mixes_rows_and_keeps_the_draft_kv_exact():
 
 
 def test_a_lookup_prices_what_it_would_index_first():
-    """`index_s`: the tokens a lookup has not indexed (a row's own, and for greedy rows the
-    finished requests waiting for the shared trie, at those rows' mean share) times the seconds
-    a token measured; nothing before a catch-up was timed."""
+    """`index_s`: the tokens a lookup has not indexed (a row's own at its share; for greedy rows
+    the finished requests waiting for the shared trie, at most the `intake` of a round) times the
+    seconds a token measured; nothing before a catch-up was timed."""
     drafter = SuffixDrafter(CPU)
     first, second = request(range(100), 0), request(range(200, 250), 1)
-    assert drafter.index_s([first], [1.0]) == 0.0  # not timed yet
+    assert drafter.index_s([first], [1.0], 10.0) == 0.0  # not timed yet
     drafter.find(first, 4)  # indexes 100 tokens at once: timed
     rate = drafter.token_s
     assert rate > 0 and drafter.unindexed(first) == 0 and drafter.unindexed(second) == 50
-    assert drafter.index_s([first, second], [0.5, 0.25]) == pytest.approx(rate * 50 * 0.25)
+    assert drafter.index_s([first, second], [0.5, 0.25], 10.0) == pytest.approx(rate * 50 * 0.25)
     first.finish_reason = FinishReason.LENGTH
     drafter.release(first)  # its 100 tokens wait for the shared trie
     sampled = Request(2, list(range(300, 340)), SamplingParams(max_new_tokens=9, temperature=1.0), frozenset())
-    assert drafter.index_s([second, sampled], [0.25, 0.5]) == pytest.approx(rate * (50 * 0.25 + 40 * 0.5 + 100 * 0.25))
+    assert drafter.index_s([second, sampled], [0.25, 0.5], 1000.0) == pytest.approx(rate * (50 * 0.25 + 40 * 0.5 + 100))
+    # a backlog beyond a round's intake is not this round's to pay (plain rounds left it)
+    assert drafter.index_s([second, sampled], [0.25, 0.5], 30.0) == pytest.approx(rate * (50 * 0.25 + 40 * 0.5 + 30))
+    assert drafter.index_s([sampled], [0.5], 1000.0) == pytest.approx(rate * 40 * 0.5)  # no greedy row reads it
     ngram = NgramDrafter(CPU)
     ngram.prefill([second], [50])  # (the n-gram index takes prompts in at prefill)
     ngram.token_s = rate
-    assert ngram.index_s([second], [1.0]) == 0.0
+    assert ngram.index_s([second], [1.0], 10.0) == 0.0
     second.token_ids.extend(range(30))
-    assert ngram.index_s([second], [0.5]) == pytest.approx(rate * 30 * 0.5)
+    assert ngram.index_s([second], [0.5], 10.0) == pytest.approx(rate * 30 * 0.5)
 
 
 @pytest.mark.parametrize("drafter", ["hybrid:ngram", "ngram"])
@@ -646,7 +649,7 @@ def test_indexing_that_costs_more_than_speculating_saves_keeps_rounds_plain(draf
     and to the plan: priced at 10 s, no lookup runs and every round is plain, output unchanged."""
     pair, ids, refs = loopy()
     engine = SpecEngine(pair, EngineConfig(batch_size=3, gamma=4, drafter=drafter, adaptive=True))
-    monkeypatch.setattr(type(engine.drafter), "index_s", lambda self, reqs, shares: 10.0)
+    monkeypatch.setattr(type(engine.drafter), "index_s", lambda self, reqs, shares, intake: 10.0)
     found = []
     lookup = engine.drafter.lookup if drafter.startswith("hybrid") else engine.drafter
     find = lookup.find

@@ -85,7 +85,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         # a lookup drafter first indexes what it has not seen: a one-off priced at each row's share
         index_s = 0.0
         if hasattr(engine.drafter, "index_s"):
-            index_s = engine.drafter.index_s(batch, policy.index_shares(batch))
+            index_s = engine.drafter.index_s(batch, policy.index_shares(batch), policy.intake(batch))
         # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
         # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
         lookups = hasattr(engine.drafter, "lookahead")

@@ -242,9 +242,9 @@ class HybridDrafter:
         if drafted is not None:  # draft + verify of this round; a catch-up serves later rounds
             self.gate.record(len(reqs) + sum(accepted), self._clock() - start - model_catch_up_s, drafted)
 
-    def index_s(self, reqs: list[Request], shares: list[float]) -> float:
+    def index_s(self, reqs: list[Request], shares: list[float], intake: float) -> float:
         """The lookup's indexing a lookahead of `reqs` would start with (see `LookupDrafter.index_s`)."""
-        return self.lookup.index_s(reqs, shares)
+        return self.lookup.index_s(reqs, shares, intake)
 
     @property
     def catch_up_s(self) -> float:

@@ -132,22 +132,30 @@ class LookupDrafter:
         """Tokens waiting for an index every greedy row reads (suffix's shared trie), 0 if none."""
         return 0
 
-    def index_s(self, reqs: list[Request], shares: list[float]) -> float:
-        """Seconds of indexing that looking up `reqs` now would start with, each row's weighted by
-        `shares[i]`, the share of it one round is charged (`AdaptivePolicy.index_shares`): a one-off
-        that serves the row's later lookups too (an index every greedy row reads: at their mean
-        share). 0 until a catch-up was timed.
+    def index_s(self, reqs: list[Request], shares: list[float], intake: float) -> float:
+        """Seconds of indexing that looking up `reqs` now would start with. A row's own index is a
+        one-off that serves its later lookups too: weighted by `shares[i]`, the share of it one
+        round is charged (`AdaptivePolicy.index_shares`). The shared index (suffix's trie of
+        finished requests, read by greedy rows) is charged at most `intake` tokens, what finished
+        requests bring it per round (`AdaptivePolicy.intake`): whenever it is taken in, every
+        finished token is indexed once, so a round that looks up pays only what a lookup every
+        round would, not the backlog plain rounds left. 0 until a catch-up was timed.
 
         Example, suffix (~5 us a token into a trie of depth 20): 32 rows just admitted, 124-token
         prompts, 16 rounds left each: 32 x 124 x 5 us / 16 = 1.2 ms, 5 % of a 25 ms plain round at
         32 rows. (Measured unpriced: lookups ran whenever free drafting might pay, and their
         indexing, prompts and finished requests into the shared trie, took 2-3 % of runs at 32
-        rows in which speculation then gained nothing: plain prompts, 64 x 32 tokens.)"""
+        rows in which speculation then gained nothing: plain prompts, 64 x 32 tokens.) The shared
+        backlog was charged whole, at the rows' mean share: at batch 4 on the bundled prompts a
+        stretch of plain rounds let it grow to ~60 ms a round against 12 ms plain rounds, which
+        kept every later round plain, so it grew on (in-process, 64 x 32, 3 repeats: the adaptive
+        default 0.99-1.01 of `autoregressive` at batch 2, 1.10-1.18 charged the intake; at batch
+        4, 0.98-1.00 against 0.97-1.07)."""
         if self.token_s is None:
             return 0.0
         own = sum(self.unindexed(r) * share for r, share in zip(reqs, shares))
-        greedy = [share for r, share in zip(reqs, shares) if r.params.greedy]  # (who reads the shared index)
-        shared = self.shared_unindexed() * sum(greedy) / len(greedy) if greedy else 0.0
+        greedy = any(r.params.greedy for r in reqs)  # (who reads the shared index)
+        shared = min(self.shared_unindexed(), intake) if greedy else 0.0
         return self.token_s * (own + shared)
 
     def find(self, req: Request, limit: int) -> tuple[list[int], int]:
