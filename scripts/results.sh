@@ -272,3 +272,12 @@ verify_exact verify_wave29_final
 batchspec bench --methods autoregressive,eqspec --batch-sizes 2,4 --gamma 2,4 --drafters hybrid \
   --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
   --json docs/results/wave30_reverted_2to4.json
+# Wave 31: a lookup's shared index priced at a round's intake, gain_scale over ~100 speculative rounds (15dbc81):
+# issue 19's command at 1, 2, 4 and at 8-64, the drafter tables, verify; on a GPU scripts/cuda_session.sh
+# (docs/results/cuda_h100_wave31/).
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4 --gamma 2,4 --drafters hybrid \
+  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
+  --json docs/results/wave31_adaptive_1to4.json
+issue19_8to64 wave31_adaptive_8to64
+drafters_twin wave31
+verify_exact verify_wave31

@@ -82,7 +82,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             # is charged its share (`catch_up_share`), priced per token fed (`CostModel.catch_up`)
             first_fed = [1 + policy.catch_up(len(batch), (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1)
                                              * policy.catch_up_share(r)) for r in batch]
-        # a lookup drafter first indexes what it has not seen: a one-off priced at each row's share
+        # a lookup drafter first indexes what it has not seen: a row's own index a one-off priced at
+        # the row's share, a shared one at most what finishing requests bring it a round (`intake`)
         index_s = 0.0
         if hasattr(engine.drafter, "index_s"):
             index_s = engine.drafter.index_s(batch, policy.index_shares(batch), policy.intake(batch))
