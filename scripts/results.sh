@@ -152,10 +152,13 @@ issue19_twin() {
     --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
     --json "docs/results/$1_adaptive.json"
 }
-issue19_8to64() {  # issue 19's command at batch 8-64 only, into docs/results/$1.json
-  batchspec bench --methods autoregressive,eqspec --batch-sizes 8,16,32,64 --gamma 2,4 --drafters hybrid \
+issue19_at() {  # SIZES NAME: issue 19's command at the batch sizes SIZES, into docs/results/NAME.json
+  batchspec bench --methods autoregressive,eqspec --batch-sizes "$1" --gamma 2,4 --drafters hybrid \
     --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
-    --json "docs/results/$1.json"
+    --json "docs/results/$2.json"
+}
+issue19_8to64() {  # issue 19's command at batch 8-64 only, into docs/results/$1.json
+  issue19_at 8,16,32,64 "$1"
 }
 drafters_twin() {
   for w in echo plain; do
@@ -275,9 +278,7 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 2,4 --gamma 2,4 --
 # Wave 31: a lookup's shared index priced at a round's intake, gain_scale over ~100 speculative rounds (15dbc81):
 # issue 19's command at 1, 2, 4 and at 8-64, the drafter tables, verify; on a GPU scripts/cuda_session.sh
 # (docs/results/cuda_h100_wave31/).
-batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4 --gamma 2,4 --drafters hybrid \
-  --adaptive off,on --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 \
-  --json docs/results/wave31_adaptive_1to4.json
+issue19_at 1,2,4 wave31_adaptive_1to4
 issue19_8to64 wave31_adaptive_8to64
 drafters_twin wave31
 verify_exact verify_wave31
