@@ -31,6 +31,7 @@ Worked example, rows of lengths 3 and 5 feeding 2 and 1 real tokens (n = 2 colum
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -134,13 +135,17 @@ class RowBatch(Cache):
                                  device=device)
         self.feed_cols = torch.tensor([j for c in counts for j in range(c)], dtype=torch.long, device=device)
         self.uniform = self.contiguous and len(set(starts)) == 1 and len(set(counts)) == 1
-        # [real tokens] flat index (row * n + column) of each real token in the [b, n] input; `packed`
-        # is the same when padding is a large enough share that computing only real tokens pays
-        self.real = self.rows * self.n + self.feed_cols
+        # `real` when padding is a large enough share that computing only real tokens pays
         self.packed = self.real if sum(counts) <= PACK_SHARE * len(counts) * self.n else None
         self.start0, self.hi = starts[0], slots[0] + len(slots)
         self.row_spans = (slots, starts, counts)  # for `read_row`
         super().__init__(layers=[_Layer(self, i) for i in range(kv.data.shape[0])])
+
+    @functools.cached_property
+    def real(self) -> torch.Tensor:
+        """[real tokens] flat index (row * n + column) of each real token in the [b, n] input, made
+        when a pass first asks (`packed`, or a verify pass attending row by row)."""
+        return self.rows * self.n + self.feed_cols
 
     def write_packed(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys, values [real tokens, H, D] in `packed` order -> written at their rows' columns."""
