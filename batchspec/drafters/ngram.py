@@ -149,8 +149,8 @@ class LookupDrafter:
         backlog was charged whole, at the rows' mean share: at batch 4 on the bundled prompts a
         stretch of plain rounds let it grow to ~60 ms a round against 12 ms plain rounds, which
         kept every later round plain, so it grew on (in-process, 64 x 32, 3 repeats: the adaptive
-        default 0.99-1.01 of `autoregressive` at batch 2, 1.10-1.18 charged the intake; at batch
-        4, 0.98-1.00 against 0.97-1.07)."""
+        default 0.99-1.01 of `autoregressive` at batch 2, 1.10-1.13 charged the intake, 1.15-1.16
+        with `gain_scale`'s longer average too; at batch 4, 0.98-1.00 against 0.97-1.07)."""
         if self.token_s is None:
             return 0.0
         own = sum(self.unindexed(r) * share for r, share in zip(reqs, shares))
