@@ -21,7 +21,8 @@ Inputs (as `core.runner.ModelRunner.feed` builds them), for b rows fed n columns
     kv         core.rows.RowBatch the rows' KV: writes each row's real tokens at its own offset
     visible    [b, 1, n, T] bool  which key columns each query sees (None: all of them)
     select     None: logits for every fed column [b, n, V]; a LongTensor [b]: one column per row
-               [b, V]; False: no logits (prefill)
+               [b, V]; a LongTensor [b, k]: k columns per row [b, k, V] (a round whose rows include
+               prompts: each row's last columns); False: no logits (prefill)
 """
 
 from __future__ import annotations
@@ -318,6 +319,8 @@ class LeanForward:
             x = x + _linear(F.silu(gate) * up, down, self.plan, contiguous=False)
         if select is False:
             return None
+        if select is not None and select.dim() == 2:  # [B, k] columns -> [B, k, hidden]
+            return _linear(self.norm(x[torch.arange(batch, device=x.device)[:, None], select]), self.head, self.plan)
         if select is not None:
             x = x[torch.arange(batch, device=x.device), select][:, None]  # [B, 1, hidden]
         return _select(_linear(self.norm(x), self.head, self.plan), None if select is None else 0)
@@ -448,11 +451,13 @@ class LeanForward:
             x = x + _linear(F.silu(gate) * up, down, self.plan, contiguous=False)
         if select is False:
             return None
-        if select is not None:  # row i's column select[i] -> its place among the real tokens
+        if select is not None:  # row i's column(s) select[i] -> their places among the real tokens
             where = torch.full((batch * n,), -1, dtype=torch.long, device=x.device)
             where[packed] = torch.arange(packed.numel(), device=x.device)
-            pick = where.view(batch, n)[torch.arange(batch, device=x.device), select].clamp(min=0)
-            return _linear(self.norm(x[pick]), self.head, self.plan)  # [B, V] (rows fed nothing: any row's logits)
+            rows = torch.arange(batch, device=x.device)
+            pick = where.view(batch, n)[rows if select.dim() == 1 else rows[:, None], select].clamp(min=0)
+            # [B, V] or [B, k, V] (a column no real token fills: any token's logits)
+            return _linear(self.norm(x[pick]), self.head, self.plan)
         logits = _linear(self.norm(x), self.head, self.plan)  # [C, V]
         out = logits.new_zeros(batch * n, logits.shape[-1])
         out[packed] = logits
@@ -490,14 +495,16 @@ def attends_by_row(n: int, kv, device: torch.device) -> bool:
 
 
 def _select(logits: torch.Tensor, select) -> torch.Tensor | None:
-    """logits [B, n, V] -> all of them (None), one column per row (LongTensor [B] or an int), none (False)."""
+    """logits [B, n, V] -> all of them (None), one column per row (LongTensor [B] or an int), k columns
+    per row (LongTensor [B, k] -> [B, k, V]), none (False)."""
     if select is False:
         return None
     if select is None:
         return logits
     if isinstance(select, int):
         return logits[:, select]
-    return logits[torch.arange(logits.shape[0], device=logits.device), select]
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    return logits[rows if select.dim() == 1 else rows[:, None], select]
 
 
 _LEAN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per model: its fused weights

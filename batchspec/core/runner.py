@@ -104,11 +104,16 @@ class ModelRunner:
         self.debug = debug
 
     # ----------------------------------------------------------------------------- rounds
-    def feed(self, reqs: list[Request], ids: torch.Tensor, counts: list[int], logits: str = "all"):
+    def feed(self, reqs: list[Request], ids: torch.Tensor, counts: list[int], logits: str | list[int] = "all"):
         """Feed row i the tokens ids[i, :counts[i]] ([b, n], the rest padding) after what it holds.
 
         `reqs` are ordered by slot. Returns logits over the real vocabulary: "all" -> [b, n, V],
-        "last" -> [b, V] at each row's last real column, "none" -> None.
+        "last" -> [b, V] at each row's last real column, a list `tail` -> [b, max(tail), V], row i's
+        last tail[i] fed columns left-aligned (a round that also prefills prompts: the head runs on
+        the columns verified, not on the prompts), "none" -> None.
+
+        Example, counts [4, 2], tail [2, 1]: row 0's columns 2, 3; row 1's column 1 (and any
+        column after it: padding the caller ignores).
         """
         if self._probe.dtype != self.dtype or self._probe.device != self.device:
             raise RuntimeError(f"the {self.name} model was moved to {self._probe.device}/{self._probe.dtype} after "
@@ -144,12 +149,14 @@ class ModelRunner:
             select = None
             if logits == "last":
                 select = torch.tensor([c - 1 for c in full_counts], device=self.device).clamp(min=0)
+            elif not isinstance(logits, str):
+                select = self._tail_columns(slots, row_slots, full_counts, logits, n)
         rows_long = None
         if self.rope_limit is not None:
             by_slot = {r.slot: r.index in self.long_rows for r in reqs}
             rows_long = [by_slot.get(s, False) for s in row_slots]
         with rope_rows(self.model, rows_long):
-            out = self.forward(full_ids, positions, batch, visible, select=select if logits != "none" else False)
+            out = self.forward(full_ids, positions, batch, visible, select=False if logits == "none" else select)
         self.stats.forwards += 1
         for r, c in zip(reqs, counts):
             self.fed[r.index] = self.fed.get(r.index, 0) + c
@@ -157,6 +164,18 @@ class ModelRunner:
             return None
         out = out[..., : self.vocab_size]
         return out if index is None else out[index]
+
+    def _tail_columns(self, slots: list[int], row_slots: list[int], full_counts: list[int], tail: list[int],
+                      n: int) -> torch.Tensor:
+        """[rows of the pass, max(tail)] columns: row i's last tail[i] fed ones, then repeats of its
+        last (rows of the range not in the batch: column 0)."""
+        by_slot = dict(zip(slots, tail))
+        k = max(tail)
+        cols = []
+        for s, c in zip(row_slots, full_counts):
+            t = by_slot.get(s, 0)
+            cols.append([min(c - t + j, c - 1) if t else 0 for j in range(k)])
+        return torch.tensor(cols, dtype=torch.long, device=self.device).clamp_(0, n - 1)
 
     def commit(self, reqs: list[Request], keep: list[int]) -> None:
         """Keep the first keep[i] tokens fed to row i since its last commit; the rest (rejected

@@ -89,6 +89,7 @@ class RunStats:
     padding_tokens: int = 0  # query columns a verify pass computed for nothing (rows drafting fewer)
     prefill_forwards: int = 0  # prefill chunks run (one forward of each model)
     prefill_tokens: int = 0  # prompt tokens prefilled
+    fused_prefills: int = 0  # prompts prefilled inside a decoding round's pass (no forward of their own)
     moved_rows: int = 0  # rows copied to another slot to keep a batch's rows together (exspec)
     recomputed_rows: int = 0  # rows re-prefilled on entering LongRoPE's long regime
     aborted: int = 0
@@ -104,8 +105,8 @@ class RunStats:
     def merge(self, other: RunStats) -> None:
         """Add `other` (one step's numbers) into these; peaks take the maximum."""
         for name in ("rounds", "row_rounds", "drafted", "accepted", "emitted", "idle_rows", "padding_tokens",
-                     "prefill_forwards", "prefill_tokens", "moved_rows", "recomputed_rows", "aborted", "finished",
-                     "predicted_s", "measured_s", "wall"):
+                     "prefill_forwards", "prefill_tokens", "fused_prefills", "moved_rows", "recomputed_rows", "aborted",
+                     "finished", "predicted_s", "measured_s", "wall"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accept_hist.update(other.accept_hist)
         self.gamma_hist.update(other.gamma_hist)
@@ -140,6 +141,7 @@ class RunStats:
             "mean_batch_occupancy": self.row_rounds / rounds,
             "prefill_forwards": self.prefill_forwards,
             "prefill_tokens": self.prefill_tokens,
+            "fused_prefills": self.fused_prefills,
             "moved_rows_per_round": self.moved_rows / rounds,
             "peak_kv_tokens": self.peak_kv_tokens,
             # per-row draft lengths verified (γ_i per row-round), the drafts verified per round (the

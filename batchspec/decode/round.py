@@ -9,6 +9,14 @@ so a shorter row is cheaper). With every γ_i = 0 the round is a plain autoregre
 target reads the newest token and its own token ("bonus") is the output. Methods differ only in
 how batches are formed (see `batchspec.sched`), never in this loop.
 
+A row may join the round with its prompt (`SpecEngine._fusable`): it is fed the prompt tokens the
+target has not seen before its newest token, in the same pass, drafts nothing and takes its first
+token from the pass's last column, so a request admitted while others decode costs no forward of
+its own. Example, rows A (decoding, 2 drafts) and B (a prompt of 5 tokens, none in the KV):
+
+    A: fed [t, d1, d2]            logits of all 3 columns verify d1, d2 and draw the bonus
+    B: fed [p0, p1, p2, p3, p4]   logits of column 4 only: B's first token (a plain step)
+
 Randomness stays per request: every row draws 2γ + 1 uniforms per round whatever γ_i is (u_j
 drafts d_j, u_{γ+j} accepts it, u_{2γ} draws the final token), so a seeded request's output does
 not depend on its batch. Which uniform serves which token also depends on how many drafts each
@@ -52,11 +60,16 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     sampling = BatchSampling.of([r.params for r in batch], device)
     u = None if sampling.all_greedy else draw_uniforms([r.generator for r in batch], 2 * gamma + 1, device)
     lengths = draft_lengths(batch, gamma, target.rope_limit)
+    leads = [r.num_tokens - 1 - r.kv_len.get("target", 0) for r in batch]  # > 0: joins with its prompt
+    fused = any(leads)
+    if fused:
+        lengths = [0 if lead else n for n, lead in zip(lengths, leads)]
     policy = engine.policy  # adaptive lengths and TETRIS budgets (sched/adaptive.py), or None: fixed γ
     # the requests in this round and whether any wait (a plan weighs rows otherwise when none do),
     # for the policy's shortcut to a plain round
     draining = engine.num_waiting() == 0
-    key = (*map(id, batch), draining)
+    # (none for a round that prefills a row: that row drafts nothing now, whatever it would next round)
+    key = None if fused else (*map(id, batch), draining)
     indexed_s = getattr(engine.drafter, "catch_up_s", 0.0)  # a lookup's catch-up so far (drafters/ngram.py)
     held = None  # seeded sampled rows keep their fixed-γ length (see the module docstring)
     looked = None  # a hybrid drafter's lookups, done before the plan (below)
@@ -74,7 +87,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             most = max(r.remaining for r in batch)
             weights = [r.remaining / most for r in batch]
         # refilling: a row that ends apart from its cohort costs a prefill forward of its own
-        split = policy.split_s(batch, refilling=weights is None)
+        split = policy.split_s(batch, refilling=weights is None and not engine.config.fuse_prefill)
         before, planning = dict(timer.totals), time.perf_counter()
         first_fed = None
         if engine.draft_runner is not None:  # the draft model first catches up on what it has not seen:
@@ -132,9 +145,13 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
 
     idle_before = target.stats.idle_rows
     with timer.stage("verify"):
-        newest = torch.tensor([[r.token_ids[-1]] for r in batch], dtype=torch.long, device=device)
-        counts = [1 + n for n in lengths]
-        logits = target.feed(batch, torch.cat([newest, drafts], dim=1), counts, logits="all")  # [B, g+1, V]
+        counts = [lead + 1 + n for lead, n in zip(leads, lengths)]
+        if fused:  # the verified columns' logits only: [B, g+1, V]
+            logits = target.feed(batch, _fed_ids(batch, leads, drafts, lengths, device), counts,
+                                 logits=[1 + n for n in lengths])
+        else:
+            newest = torch.tensor([[r.token_ids[-1]] for r in batch], dtype=torch.long, device=device)
+            logits = target.feed(batch, torch.cat([newest, drafts], dim=1), counts, logits="all")  # [B, g+1, V]
         lens = torch.tensor(lengths, dtype=torch.long, device=device)
         if sampling.all_greedy:
             result = greedy_verify(logits, drafts, lens)
@@ -144,11 +161,13 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         accepted = result.accepted.tolist()
         tokens = result.tokens.tolist()
 
-    target.commit(batch, [1 + a for a in accepted])  # the newest token and the accepted drafts
+    target.commit(batch, [lead + 1 + a for lead, a in zip(leads, accepted)])  # (prompt,) newest, accepted drafts
     if g > 0 or looked is not None:  # the drafter ran (a hybrid's lookups count), even if it found
         engine.drafter.observe(batch, accepted)  # nothing to propose or nothing was verified
     stats.rounds += 1
     stats.row_rounds += len(batch)
+    stats.prefill_tokens += sum(leads)
+    stats.fused_prefills += sum(1 for lead in leads if lead)
     stats.idle_rows += target.stats.idle_rows - idle_before
     stats.padding_tokens += sum(drafts.shape[1] - n for n in lengths)
     made = 0
@@ -170,13 +189,23 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             stats.accept_hist[a] += 1
             stats.gamma_hist[n] += 1
     elapsed = time.perf_counter() - started
-    stats.count_round(len(batch), any(lengths), made, elapsed)  # (core/stats.py: round_gain)
+    if not fused:  # (a round that also prefilled is no measure of decoding)
+        stats.count_round(len(batch), any(lengths), made, elapsed)  # (core/stats.py: round_gain)
     if policy is not None:  # the whole round is measured, less a lookup's catch-up: the policy weighs it all
         draft_s = timer.since(before)["draft"]
         rest_s = elapsed - draft_s
         draft_s = max(0.0, draft_s - (getattr(engine.drafter, "catch_up_s", 0.0) - indexed_s))
-        policy.observe(accepted, lengths, confidence, rest_s, draft_s, caught_up=caught_up > 0)
+        policy.observe(accepted, lengths, confidence, rest_s, draft_s, caught_up=caught_up > 0, timed=not fused)
         predicted = policy.predicted_s()
-        if predicted is not None:
+        if predicted is not None and not fused:
             stats.predicted_s += predicted
             stats.measured_s += rest_s + draft_s
+
+
+def _fed_ids(batch: list[Request], leads: list[int], drafts: torch.Tensor, lengths: list[int], device) -> torch.Tensor:
+    """[B, max fed] ids of a round that prefills some rows: row i's last leads[i] + 1 tokens (its
+    unseen prompt and its newest token), then its lengths[i] drafts, right-padded with 0."""
+    rows = [r.token_ids[r.num_tokens - 1 - lead:] + d[:n]
+            for r, lead, d, n in zip(batch, leads, drafts.tolist(), lengths)]
+    width = max(len(row) for row in rows)
+    return torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)

@@ -547,7 +547,9 @@ class AdaptivePolicy:
         cohort: rows with as many tokens left (admitted together, advanced alike) end in the same
         round and are refilled by one prefill forward; a row that gets ahead ends apart, and its
         refill is a forward of its own. Charged only while requests wait to be admitted
-        (`refilling`): the fixed cost of a forward (one row, one token) times the share of the
+        (`refilling`; never where the engine prefills a refill inside a round's pass,
+        `EngineConfig.fuse_prefill`, which costs no forward of its own): the fixed cost of a
+        forward (one row, one token) times the share of the
         cohort's prefill forward the row no longer shares, 1 - 1/m for a cohort of m, spread over
         the rounds the row has left (`rounds_left`): leaving the cohort is paid once, and buys
         speculation in every round after it, so it pays where speculation pays over the row's
@@ -826,11 +828,12 @@ class AdaptivePolicy:
         return record[0] if record is not None and record[1] >= self.record_rounds else None
 
     def observe(self, accepted: list[int], verified: list[int], confidence: list[list[float]] | None,
-                verify_s: float, draft_s: float, caught_up: bool = False) -> None:
+                verify_s: float, draft_s: float, caught_up: bool = False, timed: bool = True) -> None:
         """After a round: each row's accepted / verified drafts, the drafts' probabilities, the
         draft stage's seconds and the rest of the round's (the verify pass and everything around
         it: what the decision between a plain and a speculative round has to weigh); caught_up:
-        the draft model first fed what it had missed (`DraftProposal.caught_up`)."""
+        the draft model first fed what it had missed (`DraftProposal.caught_up`); timed False: the
+        pass also prefilled prompts (`decode/round.py`), its seconds say nothing of the costs."""
         while len(self._positions) < self.gamma_max:
             self._positions.append([0.0, 0.0])
         record = self._drafting.setdefault(rows_bucket(len(verified)), [0.0, 0])
@@ -849,7 +852,7 @@ class AdaptivePolicy:
             w = max(self.realised_weight, 1 / realised[2])
             realised[0] += w * (sum(accepted) - realised[0])
             realised[1] += w * (self.last["expected"] - realised[1])
-        if self.cost is not None and self.last.get("rows") == len(verified):
+        if self.cost is not None and self.last.get("rows") == len(verified) and timed:
             if caught_up:
                 # the draft model fed what it missed (rows it did not draft for): a one-off that
                 # serves later rounds, so neither the draft scale nor the guard hears of it. If

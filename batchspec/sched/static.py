@@ -15,6 +15,8 @@ class StaticBatcher(RequestQueue):
         super().__init__(batch_size, sort_by_length, refill)
         self.batch_size = batch_size
 
+    runs_every_resident = True  # (the engine may prefill a request inside a round: `SpecEngine._fusable`)
+
     @property
     def running(self) -> list:
         return self.resident

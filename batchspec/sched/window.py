@@ -16,6 +16,8 @@ class WindowScheduler(RequestQueue):
         self.batch_size, self.window = batch_size, window
         self.waits: dict[int, int] = {}  # rounds since each resident request last ran
 
+    runs_every_resident = False  # a batch is chosen among the prefilled rows of the window
+
     def on_admit(self, req) -> None:
         self.waits[req.index] = 0
 
