@@ -34,9 +34,10 @@ class EngineConfig:
                   longer than a row is refused when it is added; others wait for a free row.
     max_prefill_tokens  at most this many prompt-token slots (rows x width) per prefill forward;
                   longer prompts are prefilled in chunks interleaved with decoding rounds.
-    fuse_prefill  autoregressive and eqspec: a request admitted whose unseen prompt fits
-                  max_prefill_tokens is prefilled inside the next round's target pass and takes its
-                  first token from it (no forward of its own); False: always a prefill forward apart.
+    fuse_prefill  autoregressive and eqspec through the lean forward: a request admitted whose
+                  unseen prompt fits max_prefill_tokens is prefilled inside the next round's target
+                  pass and takes its first token from it (no forward of its own); False: always a
+                  prefill forward apart.
     adaptive      plan each row's draft length (0..gamma) every round from measured step costs and
                   the rows' acceptance, maximising expected tokens per second (all 0: a plain
                   decoding round), then verify the drafted tokens most likely to be accepted under

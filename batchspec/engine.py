@@ -305,10 +305,13 @@ class SpecEngine:
         forward's fixed cost is a whole plain step at small batch sizes: on the Xeon, a one-row
         prefill of 20 tokens 8.1 ms, a step of 8 rows 8.7 ms, the two in one pass 13.1 ms). Where
         every resident request runs each round (autoregressive, eqspec), up to
-        `max_prefill_tokens` prompt tokens; longer prompts are prefilled in chunks first. A
+        `max_prefill_tokens` prompt tokens; longer prompts are prefilled in chunks first; and
+        where the target's forward runs the LM head on the verified columns only (the lean
+        forward; through the transformers modules every prompt token would get logits). A
         seeded sampled request is prefilled apart: joining, it drafts nothing in its first round,
         and which uniforms serve which token must not depend on its batch (decode/round.py)."""
-        if not (self.config.fuse_prefill and self.scheduler.runs_every_resident):
+        if not (self.config.fuse_prefill and self.scheduler.runs_every_resident
+                and self.target.forward.selects_before_head):
             return []
         out, budget = [], self.config.max_prefill_tokens
         for r in prefilling:

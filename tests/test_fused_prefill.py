@@ -42,8 +42,7 @@ def test_tail_logits_are_each_rows_last_fed_columns(forward, pack, monkeypatch):
 
 @pytest.mark.parametrize("options", [dict(method="autoregressive"), dict(drafter="draft_model", adaptive=False),
                                      dict(drafter="draft_model", adaptive=True), dict(drafter="ngram"),
-                                     dict(drafter="draft_model", adaptive=False, max_prefill_tokens=24),
-                                     dict(drafter="draft_model", adaptive=False, forward="hf")])
+                                     dict(drafter="draft_model", adaptive=False, max_prefill_tokens=24)])
 def test_fused_prefill_is_exact_and_saves_forwards(options):
     """Rows joining with their prompts (EOS ends rows at different rounds, so refills arrive while
     others decode) give the reference greedy output, as prefilling apart does, with fewer prefill
@@ -75,12 +74,14 @@ def test_ragged_acceptance_next_to_joining_rows_is_exact():
 
 
 def test_what_is_not_fused():
-    """exspec chooses its batch among prefilled rows (prefilled apart); a seeded sampled request
-    is prefilled apart (it must draft in its first round as it would alone); an unseeded one joins."""
+    """exspec chooses its batch among prefilled rows, and the transformers modules would compute
+    logits for every prompt token: both prefill apart. A seeded sampled request is prefilled apart
+    (it must draft in its first round as it would alone); an unseeded one joins."""
     p, ids, _ = workload("llama")
-    exspec = SpecEngine(p, EngineConfig(method="exspec", drafter="draft_model", batch_size=2))
-    exspec.generate(ids[:6], SamplingParams(max_new_tokens=4))
-    assert exspec.stats.fused_prefills == 0 and exspec.stats.prefill_forwards > 0
+    for apart in (dict(method="exspec"), dict(forward="hf")):
+        engine = SpecEngine(p, EngineConfig(drafter="draft_model", batch_size=2, **apart))
+        engine.generate(ids[:6], SamplingParams(max_new_tokens=4))
+        assert engine.stats.fused_prefills == 0 and engine.stats.prefill_forwards > 0, apart
     engine = SpecEngine(p, EngineConfig(drafter="draft_model", batch_size=4))
     seeded = [SamplingParams(temperature=1.0, max_new_tokens=4, seed=i) for i in range(3)]
     engine.generate(ids[1:4], seeded)

@@ -56,6 +56,10 @@ def cache_arg(model) -> str:
 class HFForward:
     """The model's own forward (transformers modules)."""
 
+    # the modules compute logits for every fed column (or the last k): a pass that carries prompts
+    # would compute them for every prompt token ([b, n, V]), so prompts are prefilled apart
+    selects_before_head = False
+
     def __init__(self, model) -> None:
         self.model = model
         self.cache_arg = cache_arg(model)
@@ -215,6 +219,8 @@ class _RMSNorm:
 
 class LeanForward:
     """A Llama-family decoder run directly on its weights (see the module docstring)."""
+
+    selects_before_head = True  # `select` picks the columns before the LM head runs
 
     def __init__(self, model) -> None:
         reason = lean_unsupported(model)
