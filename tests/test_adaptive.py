@@ -507,6 +507,21 @@ def test_a_plain_plan_stands_for_the_same_requests_a_few_rounds():
     assert any(policy.plan([0.8] * 2, [3] * 2, key=key)) and not policy.plain_now(key)
 
 
+def test_a_round_prefilling_a_prompt_follows_the_last_timed_round_without_a_plan():
+    """A round that prefills a joining request (`decode/round.py`) is plain without planning where
+    the last round that prefilled nothing was plain; after a speculative one it is planned. Its
+    own drafts (none for the joining row) do not decide the next such round."""
+    policy = exact_policy(cost(), gamma_max=3)
+    policy.plan([0.8] * 2, [3] * 2)
+    policy.observe([0, 0], [0, 0], None, 0.02, 0.0)  # a plain round, timed
+    assert policy.plain_now(None, 2, joining=True) and not policy.plain_now(None, 2)
+    policy.plan([0.8] * 2, [3] * 2)
+    policy.observe([2, 1], [3, 2], None, 0.03, 0.004)  # a speculative round
+    assert not policy.plain_now(None, 2, joining=True)
+    policy.observe([0, 0], [0, 0], None, 0.05, 0.0, timed=False)  # a plain round that prefilled
+    assert not policy.plain_now(None, 2, joining=True)
+
+
 def test_a_plan_plain_even_with_free_drafts_stands_longer():
     """A plain plan that free drafts would not turn (α 0.05) is settled: it stands
     `settled_rounds` rounds for the same requests, whether `plan` found it (a draft model) or

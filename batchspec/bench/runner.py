@@ -330,7 +330,7 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
                                               "idle_rows_per_round", "padding_tokens_per_round",
                                               "mean_batch_occupancy", "moved_rows_per_round", "peak_kv_tokens",
                                               "adaptive",
-                                              "prefill_forwards")})
+                                              "prefill_forwards", "fused_prefills")})
             row["accept_hist"] = {str(k): hist[k] for k in sorted(hist)}
         if cell.method in ("eqspec", "exspec") and (cell.batch_size, cell.gamma, fwd) in costs:
             cost = costs[(cell.batch_size, cell.gamma, fwd)]

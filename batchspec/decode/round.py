@@ -76,7 +76,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     if policy is not None and not sampling.all_greedy:
         held = [n if r.params.seed is not None and not r.params.greedy else 0 for r, n in zip(batch, lengths)]
         held = held if any(held) else None
-    if policy is not None and held is None and policy.plain_now(key, len(batch)):  # plain: due, or planned for them
+    if policy is not None and held is None and policy.plain_now(key, len(batch), joining=fused):  # plain: due, or kept
         lengths = policy.plain(len(batch))
         before = dict(timer.totals)
     elif policy is not None:

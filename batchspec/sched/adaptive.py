@@ -392,6 +392,8 @@ class AdaptivePolicy:
     _planning: dict = field(default_factory=dict, repr=False)  # batch-size bucket -> seconds a plan takes
     # the last plain plan: [key, rounds since, kept plain by the guard, settled (see `plain_now`)]
     _memo: list | None = field(default=None, repr=False)
+    # whether the last round timed (one that prefilled no prompt) verified no draft: see `plain_now`
+    last_plain: bool = field(default=False, repr=False)
     # accepted drafts and what the estimates expected of them, exponential averages over speculative
     # rounds, and how many rounds they rest on
     _realised: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0], repr=False)
@@ -627,9 +629,13 @@ class AdaptivePolicy:
         self.last = {"rows": rows, "draft_s": 0.0, "verify_s": self.cost.verify(rows, 1)}
         return [0] * rows
 
-    def plain_now(self, key: tuple, rows: int | None = None) -> bool:
+    def plain_now(self, key: tuple | None, rows: int | None = None, joining: bool = False) -> bool:
         """Whether the round of the requests `key` is plain without planning it: a plain round is
-        due (the guard measures that side), or the same requests' last plan was plain fewer than
+        due (the guard measures that side), or requests join the round with their prompts
+        (`joining`, `decode/round.py`: they draft nothing there) and the last round without any was
+        plain (where plain rounds are the rule, a refill would otherwise cost a plan of its own
+        besides the one its batch gets next round: at 16 rows on the bundled prompts, ~1 ms each,
+        one refill every ~3 rounds of ~20 ms), or the same requests' last plan was plain fewer than
         `keep_rounds` rounds ago, or fewer than `settled_rounds` if it was settled: plain even
         had every row drafted for free (no draft step, no lookup to wait for). Nothing a plan rests
         on moves much in a few plain rounds (they change no acceptance record), and a settled plan
@@ -641,7 +647,7 @@ class AdaptivePolicy:
         if self.cost is None:
             return False
         rows = len(key) if rows is None else rows  # (a key may carry more than the requests)
-        if self.guard.plain_due(rows):
+        if self.guard.plain_due(rows) or (joining and self.last_plain):
             return True
         memo = self._memo
         if memo is None or memo[0] != key or (memo[2] and self.guard.exploring(rows)) or \
@@ -836,6 +842,8 @@ class AdaptivePolicy:
         pass also prefilled prompts (`decode/round.py`), its seconds say nothing of the costs."""
         while len(self._positions) < self.gamma_max:
             self._positions.append([0.0, 0.0])
+        if timed:
+            self.last_plain = not any(verified)
         record = self._drafting.setdefault(rows_bucket(len(verified)), [0.0, 0])
         record[1] += 1
         drafted = sum(1 for n in verified if n) / max(1, len(verified))
