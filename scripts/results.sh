@@ -282,3 +282,9 @@ issue19_at 1,2,4 wave31_adaptive_1to4
 issue19_8to64 wave31_adaptive_8to64
 drafters_twin wave31
 verify_exact verify_wave31
+# Wave 32: prompts prefilled inside the round's target pass (`EngineConfig.fuse_prefill`, 1f015fa..) and a
+# round carrying one plain without a plan after a plain round (5a6733e); measured on the Intel Xeon:
+issue19_8to64 wave32_adaptive_8to64
+issue19_at 1,2,4 wave32_adaptive_1to4
+drafters_twin wave32
+verify_exact verify_wave32

@@ -842,12 +842,12 @@ class AdaptivePolicy:
         pass also prefilled prompts (`decode/round.py`), its seconds say nothing of the costs."""
         while len(self._positions) < self.gamma_max:
             self._positions.append([0.0, 0.0])
-        if timed:
+        if timed:  # (a round that prefilled a prompt drafted for its other rows only if the last did)
             self.last_plain = not any(verified)
-        record = self._drafting.setdefault(rows_bucket(len(verified)), [0.0, 0])
-        record[1] += 1
-        drafted = sum(1 for n in verified if n) / max(1, len(verified))
-        record[0] += max(self.record_weight, 1 / record[1]) * (drafted - record[0])
+            record = self._drafting.setdefault(rows_bucket(len(verified)), [0.0, 0])
+            record[1] += 1
+            drafted = sum(1 for n in verified if n) / max(1, len(verified))
+            record[0] += max(self.record_weight, 1 / record[1]) * (drafted - record[0])
         for i, (a, n) in enumerate(zip(accepted, verified)):
             for j in range(min(a + 1, n)):  # d_1..d_min(a+1, n) were reached; the first a accepted
                 self._positions[j][1] += 1
