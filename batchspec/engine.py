@@ -298,6 +298,12 @@ class SpecEngine:
         req.slot = self.slots.take()
         return True
 
+    @property
+    def fuses_prefill(self) -> bool:
+        """Whether requests join rounds with their prompts (see `_fusable`)."""
+        return (self.config.fuse_prefill and self.scheduler.runs_every_resident
+                and self.target.forward.selects_before_head)
+
     def _fusable(self, prefilling: list[Request]) -> list[Request]:
         """The requests still prefilling that join this step's round with their prompts
         (`decode/round.py`): each is fed its whole unseen prompt inside the round's target pass and
@@ -310,8 +316,7 @@ class SpecEngine:
         forward; through the transformers modules every prompt token would get logits). A
         seeded sampled request is prefilled apart: joining, it drafts nothing in its first round,
         and which uniforms serve which token must not depend on its batch (decode/round.py)."""
-        if not (self.config.fuse_prefill and self.scheduler.runs_every_resident
-                and self.target.forward.selects_before_head):
+        if not self.fuses_prefill:
             return []
         out, budget = [], self.config.max_prefill_tokens
         for r in prefilling:

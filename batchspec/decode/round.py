@@ -87,7 +87,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             most = max(r.remaining for r in batch)
             weights = [r.remaining / most for r in batch]
         # refilling: a row that ends apart from its cohort costs a prefill forward of its own
-        split = policy.split_s(batch, refilling=weights is None and not engine.config.fuse_prefill)
+        split = policy.split_s(batch, refilling=weights is None and not engine.fuses_prefill)
         before, planning = dict(timer.totals), time.perf_counter()
         first_fed = None
         if engine.draft_runner is not None:  # the draft model first catches up on what it has not seen:

@@ -550,9 +550,9 @@ class AdaptivePolicy:
         round and are refilled by one prefill forward; a row that gets ahead ends apart, and its
         refill is a forward of its own. Charged only while requests wait to be admitted
         (`refilling`; never where the engine prefills a refill inside a round's pass,
-        `EngineConfig.fuse_prefill`, which costs no forward of its own): the fixed cost of a
-        forward (one row, one token) times the share of the
-        cohort's prefill forward the row no longer shares, 1 - 1/m for a cohort of m, spread over
+        `SpecEngine.fuses_prefill`, which costs no forward of its own): the fixed cost of a
+        forward (one row, one token) times the share of the cohort's prefill forward the row no
+        longer shares, 1 - 1/m for a cohort of m, spread over
         the rounds the row has left (`rounds_left`): leaving the cohort is paid once, and buys
         speculation in every round after it, so it pays where speculation pays over the row's
         life, not only where it pays in this round (charged whole to the round, the split kept
