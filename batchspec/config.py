@@ -88,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"max_kv_tokens must be a positive integer (tokens per model), got {self.max_kv_tokens!r}")
         if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
             raise ValueError(f"budget must be a positive integer (drafts verified per round), got {self.budget!r}")
+        if not isinstance(self.fuse_prefill, bool):
+            raise ValueError(f"fuse_prefill must be True or False, got {self.fuse_prefill!r}")
         if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be a positive integer, got {self.max_prefill_tokens!r}")
 

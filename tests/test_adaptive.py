@@ -519,7 +519,11 @@ def test_a_round_prefilling_a_prompt_follows_the_last_timed_round_without_a_plan
     policy.observe([2, 1], [3, 2], None, 0.03, 0.004)  # a speculative round
     assert not policy.plain_now(None, 2, joining=True)
     drafting = {k: list(v) for k, v in policy._drafting.items()}
-    policy.observe([0, 0], [0, 0], None, 0.05, 0.0, timed=False)  # a plain round that prefilled
+    costs = (policy.cost.plain_scale, policy.cost.verify_scale, policy.cost.draft_scale, dict(policy.guard.counts))
+    policy.plan([0.8] * 2, [0] * 2)
+    policy.observe([0, 0], [0, 0], None, 0.05, 0.0, timed=False)  # a plain round that prefilled, 2.5x as long
+    assert (policy.cost.plain_scale, policy.cost.verify_scale, policy.cost.draft_scale,
+            dict(policy.guard.counts)) == costs  # its seconds correct no cost and no guard
     assert not policy.plain_now(None, 2, joining=True)
     # nor whether fresh requests draft (`speculates`): kept plain, such rounds would pull the record
     # down and keep the draft model's prefill off (seen at batch 8: every later round plain)

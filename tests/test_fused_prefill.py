@@ -103,3 +103,26 @@ def test_a_round_that_prefills_keeps_no_plain_plan_for_the_next():
     # (kept plain for the same request, the rounds after each first one ran plain but for the guard's
     # explorations: 57 rounds for 65 tokens; planned, 39)
     assert engine.stats.drafted > 0 and engine.stats.rounds < 0.75 * sum(len(r) for r in refs[:4])
+
+
+def test_a_joining_rows_lookup_index_is_not_charged_to_the_round():
+    """The policy prices a lookup's indexing into a speculative round by each row's share; a row
+    joining with its prompt drafts nothing there, so its share is 0."""
+    p, ids, _ = workload("llama")
+    engine = SpecEngine(p, EngineConfig(drafter="ngram", batch_size=2, gamma=3))
+    index_s, seen = engine.drafter.index_s, []
+
+    def recording(reqs, shares, intake):
+        seen.extend((r.kv_len.get("target", 0) < r.num_tokens - 1, share) for r, share in zip(reqs, shares))
+        return index_s(reqs, shares, intake)
+
+    engine.drafter.index_s = recording
+    engine.generate(ids[:8], SamplingParams(max_new_tokens=MAX_NEW))
+    joining = [share for join, share in seen if join]
+    assert joining and all(share == 0.0 for share in joining)
+    assert any(share > 0 for join, share in seen if not join)
+
+
+def test_fuse_prefill_must_be_a_bool():
+    with pytest.raises(ValueError, match="fuse_prefill"):
+        EngineConfig(fuse_prefill="no")

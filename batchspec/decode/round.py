@@ -98,8 +98,9 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         # a lookup drafter first indexes what it has not seen: a row's own index a one-off priced at
         # the row's share, a shared one at most what finishing requests bring it a round (`intake`)
         index_s = 0.0
-        if hasattr(engine.drafter, "index_s"):
-            index_s = engine.drafter.index_s(batch, policy.index_shares(batch), policy.intake(batch))
+        if hasattr(engine.drafter, "index_s"):  # (a row joining with its prompt drafts nothing: not charged)
+            shares = [0.0 if lead else s for s, lead in zip(policy.index_shares(batch), leads)]
+            index_s = engine.drafter.index_s(batch, shares, policy.intake(batch))
         # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
         # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
         lookups = hasattr(engine.drafter, "lookahead")
