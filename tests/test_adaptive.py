@@ -13,7 +13,7 @@ from tiny import pair, prompts, references
 from batchspec import EngineConfig, SamplingParams, SpecEngine
 from batchspec.core.request import RequestStats
 from batchspec.drafters import model_drafter
-from batchspec.sched.adaptive import AdaptivePolicy, CostModel
+from batchspec.sched.adaptive import AdaptivePolicy, Calibration, CostModel
 from batchspec.sched.tetris import cumulative
 
 
@@ -285,7 +285,7 @@ def test_each_depth_learns_its_own_cost():
     c = CostModel(rows=(1, 2), cols=(1, 5), verify_s={(1, 1): 0.010, (1, 5): 0.010, (2, 1): 0.015, (2, 5): 0.015},
                   draft_s={1: 0.002, 2: 0.003})
     policy = exact_policy(c, gamma_max=4, prior=0.9, margin=1.0)
-    policy.later_rates = lambda: [0.9, 0.9, 0.9]  # (d_2..d_4 given the ones before: pair-wide)
+    policy.later_rates = lambda looked=False: [0.9, 0.9, 0.9]  # (d_2..d_4 given the ones before: pair-wide)
     chosen = {0.9: [], 0.3: []}
     for i in range(80):
         alpha = (0.9, 0.3)[i % 2]
@@ -354,7 +354,7 @@ def test_a_request_whose_later_drafts_fail_is_priced_by_its_own_record():
     fail draft 2 tokens, the others 3; without the factors all 8 draft 3. With no record of its own
     a request counts as the pair."""
     policy = exact_policy(cost(draft=0.001, v1=0.020, v4=0.032), gamma_max=3, prior=0.75, margin=1.0)
-    policy._positions = [[400.0, 400.0], [300.0, 400.0], [0.0, 0.0]]
+    policy._positions[False] = [[400.0, 400.0], [300.0, 400.0], [0.0, 0.0]]
     weak = RequestStats(later_reached=12, later_accepted=2)
     assert policy.later_factors([weak, RequestStats()]) == [pytest.approx(0.4 / 0.75), 1.0]
     factors = policy.later_factors([weak] * 4 + [RequestStats()] * 4)
@@ -775,3 +775,40 @@ def test_step_cost_profiles_are_kept_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHSPEC_CACHE", "off")
     profile()
     assert len(calls) == 4 * measured + 3 and not list((tmp_path / "profiles").iterdir())
+
+
+def test_a_lookups_drafts_are_judged_by_its_own_record():
+    """A hybrid's lookup and its draft model accept very differently (the suffix lookup's first
+    drafts ~0.6 of the time at batch 1 on the bundled prompts, with runs after them; the model's
+    ~0.7, then less). Each keeps its own record, per request and pair-wide (`estimates`,
+    `observe(looked=...)`): a request whose model drafts fail but whose lookups pass is priced
+    high where its lookup drafts, low where its model does. One record for both would price both
+    at the mix."""
+    policy = exact_policy(cost(), gamma_max=3, prior=0.5)
+    for _ in range(100):  # row 0 drafted by the lookup, all accepted; row 1 by the model, none
+        policy.observe([3, 0], [3, 3], None, 0.0, 0.0, looked=[True, False])
+    assert policy.later_rates(True) == [pytest.approx(1.0, abs=0.03)] * 2
+    assert policy.alpha(0, 0, looked=True) > 0.95 and policy.alpha(0, 0) < 0.05
+    mixed = RequestStats(first_drafted=20, first_accepted=10, looked_up=10, looked_accepted=10)
+    (by_model, by_lookup), _ = policy.estimates([mixed, mixed], [False, True])
+    assert by_model < 0.05 and by_lookup > 0.95  # its 10 model drafts failed, its 10 lookups passed
+    assert policy.plan([by_model, by_lookup], [3, 3], looked=[False, True]) == [0, 3]
+    assert len(set(policy.plan([0.5, 0.5], [3, 3]))) == 1  # (one record for both, mixed: priced alike)
+
+
+def test_the_plan_prices_what_a_lookup_found_by_its_confidence():
+    """The lookup's proposals are known before the plan (a hybrid's `lookahead`), with each token's
+    confidence (`match_confidence`: how long the match, how often what followed it did), which the
+    policy calibrates on its own (`lookup_calibration`, apart from the model's q): a copy after a
+    long match is verified, one after a two-token match seen once is not."""
+    policy = exact_policy(cost(), gamma_max=3, margin=1.0)
+    for _ in range(300):  # confident copies are accepted, doubtful ones rejected
+        policy.observe([3, 0], [3, 1], [[0.95] * 3, [0.35, 0.0, 0.0]], 0.0, 0.0, looked=[True, True])
+    assert policy.calibration.counts == Calibration().counts  # the model's calibration heard nothing
+    alphas, factors = policy.estimates([RequestStats()] * 8, [True] * 8)
+    sure, doubtful = [0.95] * 3, [0.35] * 3
+    confidence = [sure] * 4 + [doubtful] * 4
+    lengths = policy.plan(alphas, [3] * 8, factors=factors, looked=[True] * 8, confidence=confidence)
+    assert lengths[:4] == [3] * 4 and lengths[4:] == [0] * 4
+    assert len(set(policy.plan(alphas, [3] * 8, factors=factors, looked=[True] * 8))) == 1  # blind: all alike
+

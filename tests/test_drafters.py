@@ -15,6 +15,7 @@ so a wrong KV entry would show.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -43,7 +44,7 @@ from batchspec.drafters import (
 from batchspec.drafters import suffix as suffix_module
 from batchspec.drafters.base import DraftProposal
 from batchspec.drafters.hybrid import ModelGate
-from batchspec.drafters.ngram import NgramDrafter, NgramIndex
+from batchspec.drafters.ngram import NgramDrafter, NgramIndex, match_confidence
 from batchspec.drafters.suffix import SuffixDrafter, most_frequent_path
 from batchspec.drafters.trie import ROOT, CountTrie, RequestTrie, SharedTrie
 from batchspec.harness import warped_probs
@@ -482,7 +483,7 @@ def test_the_gate_charges_a_model_round_its_share_of_the_catch_up(monkeypatch):
 
     runner = SimpleNamespace(name="draft", device=CPU)
     model = SimpleNamespace(runner=runner, propose=model_propose, observe=lambda reqs, accepted: None)
-    lookup = SimpleNamespace(label="none", catch_up_s=0.0, find=lambda req, limit: ([], None))
+    lookup = SimpleNamespace(label="none", catch_up_s=0.0, find=lambda req, limit: ([], []))
     hybrid = HybridDrafter(model, lookup)
     hybrid.gate = ModelGate(weight=1.0)
     hybrid.propose([row], 4, None, BatchSampling.of([row.params], CPU))
@@ -703,12 +704,13 @@ def test_the_hybrid_looks_up_before_the_policy_plans(model):
     assert [o.token_ids for o in outs] == refs
     planned = [r for r in rounds if "caps" in r]
     looked = [n for r in planned for n in r["looked"]]
-    assert any(looked) and (None if model else 0) in looked  # rows the lookup drafts, and the others
+    assert any(looked) and (None if model else []) in looked  # rows the lookup drafts, and the others
     for r in planned:
-        assert r["kept"] is None or any(r["caps"])  # a plain plan because no lookup found anything is not kept
+        # a plain plan is kept only if it turned down what the lookup found
+        assert r["kept"] is None or any(r["looked"])
         for found, cap, fed in zip(r["looked"], r["caps"], r["first_fed"]):
             if found is not None:
-                assert cap <= found and fed == 0.0
+                assert cap <= len(found) and fed == 0.0
             else:
                 assert fed >= 1.0
     assert model or any(not any(r["caps"]) for r in planned)  # (such rounds happened)
@@ -716,7 +718,7 @@ def test_the_hybrid_looks_up_before_the_policy_plans(model):
     assert all(o.stats.looked_up <= o.stats.first_drafted for o in outs) and sum(o.stats.looked_up for o in outs)
     assert model or all(o.stats.looked_up == o.stats.first_drafted for o in outs)
     # the gate hears of every round whose unmatched rows it kept undrafted, plain ones included
-    skipped = [any(n == 0 and c > 0 for n, c in zip(r["looked"], r["asked"])) for r in rounds]
+    skipped = [any(n == [] and c > 0 for n, c in zip(r["looked"], r["asked"])) for r in rounds]
     assert sum(undrafted) == sum(skipped) and (model or sum(undrafted) > 0)
     for before, after in zip(rounds, rounds[1:] + [{"finds": finds[0]}]):  # one search per row and round
         assert after["finds"] - before["finds"] <= len(before["looked"])
@@ -728,8 +730,8 @@ def test_the_hybrids_lookups_serve_only_the_round_they_were_made_for():
     that then drafts nothing leaves lookups that must not pass for the next round's."""
     hybrid = HybridDrafter(None, NgramDrafter(CPU, 1, 3, 4))
     rows = [request([A, B, C, A, B], 0), request([A, B, C, D, E], 1)]
-    assert hybrid.lookahead(rows, [3, 3]) == [3, None]
-    assert hybrid._found[:2] == (hybrid._key(rows), [[C, A, B], []])
+    assert hybrid.lookahead(rows, [3, 3]) == [match_confidence([0.5] * 3, 2), None]  # (A B matched)
+    assert hybrid._found[:2] == (hybrid._key(rows), [([C, A, B], match_confidence([0.5] * 3, 2)), ([], [])])
     rows[0].token_ids.append(C)  # a plain round committed a token
     assert hybrid._found[0] != hybrid._key(rows)
 
@@ -740,7 +742,7 @@ def test_a_gate_that_keeps_the_model_off_still_explores_it_under_a_policy():
     hybrid = HybridDrafter(None, NgramDrafter(CPU, 1, 3, 4))
     hybrid.gate = never_pays(ModelGate(explore_every=2))
     row = [request([A, B, C, D, E], 0)]
-    assert hybrid.lookahead(row, [3]) == [0] and hybrid.lookahead(row, [3]) == [0]
+    assert hybrid.lookahead(row, [3]) == [[]] and hybrid.lookahead(row, [3]) == [[]]
     assert hybrid.lookahead(row, [3]) == [None]  # explored
 
 
@@ -852,9 +854,9 @@ def test_a_lookups_catch_up_is_not_what_a_round_costs():
         lookup.catch_up_s += time.perf_counter() - start
         return find(req, limit)
 
-    def observing(accepted, verified, confidence, verify_s, draft_s, caught_up=False, timed=True):
+    def observing(accepted, verified, confidence, verify_s, draft_s, caught_up=False, timed=True, looked=None):
         heard.append((draft_s, caught_up))
-        return observe(accepted, verified, confidence, verify_s, draft_s, caught_up, timed)
+        return observe(accepted, verified, confidence, verify_s, draft_s, caught_up, timed, looked)
 
     def recording(tokens, seconds, drafted):
         timed.append(seconds)
@@ -953,3 +955,42 @@ def test_a_seeded_sampled_request_does_not_depend_on_the_gate():
             assert not gate.use()
         outs.append([o.token_ids for o in engine.generate(ids, params)])
     assert outs[0] == outs[1]
+
+
+def test_lookups_are_guarded_only_after_a_plain_round_or_at_the_start(monkeypatch):
+    """`may_speculate` (would free drafts pay?) guards a hybrid's lookups after plain rounds and
+    before the first; after a round that verified drafts it is not asked (the answer is yes but
+    for a rare turn, and at batch 1 asking cost as much as the plan itself). Output unchanged."""
+    pair, ids, refs = loopy()
+    engine = SpecEngine(pair, EngineConfig(method="eqspec", batch_size=3, gamma=4, drafter="hybrid:ngram",
+                                           adaptive=True))
+    policy, asked = engine.policy, []
+    may = policy.may_speculate
+    monkeypatch.setattr(policy, "may_speculate", lambda *a, **k: asked.append(policy.last_plain) or may(*a, **k))
+    assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))] == refs
+    assert None in asked and False not in asked
+    assert engine.last_run.drafted  # (rounds verified drafts, after which it was not asked)
+
+
+def test_match_confidence_worked_example():
+    """A copy is likelier the longer the match it follows and the more often what it copies
+    followed that context before (ngram.py, `match_confidence`)."""
+    assert match_confidence([0.5] * 3, 2) == pytest.approx([0.5, 2 / 3, 0.75])
+    assert match_confidence([0.5], 6) == pytest.approx([5 / 6])
+    assert match_confidence([0.75], 2)[0] > match_confidence([0.5], 2)[0]  # seen 3 of 3 times, not once
+
+
+def test_lookups_report_their_confidence():
+    """The suffix docstring's example: after (a, b), c followed twice of 3 (share 2/4), then a
+    twice of 2 (2/3), after a match of 2; ngram copies what followed the last occurrence, counted
+    as once seen."""
+    drafter = SuffixDrafter(CPU, depth=6, k=2, min_prob=0.5)
+    a, b, c, d = 1, 2, 3, 4
+    row = request([a, b, c, a, b, c, a, b, d, a, b], 0)
+    assert drafter.find(row, 2) == ([c, a], pytest.approx(match_confidence([2 / 4, 2 / 3], 2)))
+    assert drafter.find(request([a, b, c, d], 1), 2) == ([], [])
+    ngram = NgramDrafter(CPU, 1, 3, 4)
+    assert ngram.find(request([A, B, C, A, B], 2), 3) == ([C, A, B], match_confidence([0.5] * 3, 2))
+    proposal = ngram.propose([request([A, B, C, A, B], 3), request([A, B, C, D, E], 4)], 3, None, None)
+    assert proposal.confidence[0].tolist() == pytest.approx(match_confidence([0.5] * 3, 2))
+    assert all(math.isnan(x) for x in proposal.confidence[1].tolist())  # no match: nothing known

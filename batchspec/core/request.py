@@ -29,6 +29,10 @@ class RequestStats:
     looked_up: int = 0  # rounds in which a hybrid drafter's lookup, not its draft model, drafted for it
     later_reached: int = 0  # its drafts after the first that were verified with every draft before them accepted
     later_accepted: int = 0  # ... and were accepted
+    # the lookup's part of first_accepted, later_reached and later_accepted (its drafts are judged apart)
+    looked_accepted: int = 0
+    looked_later_reached: int = 0
+    looked_later_accepted: int = 0
 
     @property
     def acceptance_rate(self) -> float:

@@ -73,6 +73,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     indexed_s = getattr(engine.drafter, "catch_up_s", 0.0)  # a lookup's catch-up so far (drafters/ngram.py)
     held = None  # seeded sampled rows keep their fixed-γ length (see the module docstring)
     looked = None  # a hybrid drafter's lookups, done before the plan (below)
+    by_lookup = [False] * len(batch)  # rows its lookup drafts (not its draft model)
     if policy is not None and not sampling.all_greedy:
         held = [n if r.params.seed is not None and not r.params.greedy else 0 for r, n in zip(batch, lengths)]
         held = held if any(held) else None
@@ -80,8 +81,9 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         lengths = policy.plain(len(batch))
         before = dict(timer.totals)
     elif policy is not None:
-        alphas = [policy.alpha(r.stats.first_accepted, r.stats.first_drafted) for r in batch]
-        factors = policy.later_factors([r.stats for r in batch])  # its drafts after the first, against the pair's
+        # each row's acceptance estimate, from its record of the drafter's drafts (`factors`: those
+        # after the first, against the pair's); a hybrid's lookup has a record of its own (below)
+        alphas, factors = policy.estimates([r.stats for r in batch])
         weights = None
         if draining:  # the batch lasts as long as its longest request
             most = max(r.remaining for r in batch)
@@ -104,20 +106,36 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
         # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
         lookups = hasattr(engine.drafter, "lookahead")
-        if lookups and not policy.may_speculate(alphas, lengths, weights, held, index_s, split, key=key,
-                                                factors=factors):
+        if lookups:  # whichever source would draft a row, the free drafts are bounded by the likelier
+            found = policy.estimates([r.stats for r in batch], [True] * len(batch))
+            bound = [m < f for m, f in zip(alphas, found[0])]
+            bounds = [[f if by else m for m, f, by in zip(model, lookup, bound)] for model, lookup in
+                      zip((alphas, factors), found)]
+        # (asked only after a plain round: after one that verified drafts, the answer is yes but for
+        # a rare turn, and at batch 1 asking costs as much as the plan, ~1 % of a round)
+        if lookups and policy.last_plain is not False and not policy.may_speculate(
+                bounds[0], lengths, weights, held, index_s, split, key=key, factors=bounds[1], looked=bound):
             lengths = [0] * len(batch)  # not even free drafts would pay: that is the plan (a plain one)
         elif lookups:
             with timer.stage("draft"):
                 looked = engine.drafter.lookahead(batch, lengths)
-            lengths = [n if f is None else min(n, f) for n, f in zip(lengths, looked)]
+            by_lookup = [bool(f) for f in looked]
+            alphas = [f if by else m for m, f, by in zip(alphas, found[0], by_lookup)]
+            factors = [f if by else m for m, f, by in zip(factors, found[1], by_lookup)]
+            lengths = [n if f is None else min(n, len(f)) for n, f in zip(lengths, looked)]
+            # what the lookup found is priced by its own confidence (greedy rows, as in `prune`)
+            confidence = [f if f and r.params.greedy else None for f, r in zip(looked, batch)]
             held = [min(h, n) for h, n in zip(held, lengths)] if held is not None else None
             if first_fed is not None:
                 first_fed = [f if by is None else 0.0 for f, by in zip(first_fed, looked)]
-            # a plain plan is kept for the same requests (`plain_now`), but not one made because no
-            # lookup found anything, and never as settled: what lookups find changes from round to round
-            lengths = policy.plan(alphas, lengths, weights, first_fed, key=key if any(lengths) else None, held=held,
-                                  split_s=split, settle=False, factors=factors)  # (the lookahead did the indexing)
+            # a plain plan is kept for the same requests (`plain_now`) only if it turned down what the
+            # lookup found (not when it found nothing: the next round's lookups may well find
+            # something; kept, a miss at batch 1 skipped the lookups of the next 2 rounds, 40-110
+            # rounds a run), and never as settled: what lookups find changes from round to round
+            kept = key if any(by_lookup) else None
+            lengths = policy.plan(alphas, lengths, weights, first_fed, key=kept, held=held,
+                                  split_s=split, settle=False, factors=factors, looked=by_lookup,
+                                  confidence=confidence if any(confidence) else None)  # (the lookahead indexed)
         else:
             lengths = policy.plan(alphas, lengths, weights, first_fed, key=key, held=held, index_s=index_s,
                                   split_s=split, factors=factors)
@@ -138,7 +156,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
                 confidence = [c if r.params.greedy and not math.isnan(c[0]) else None
                               for r, c in zip(batch, proposal.confidence.tolist())]
             lengths = policy.prune(alphas, lengths, confidence, timer.since(before)["draft"], weights, held, split,
-                                   factors)
+                                   factors, by_lookup)
         drafts = drafts[:, :max(lengths)]
         q = q[:, :drafts.shape[1]] if q is not None else None
     else:
@@ -184,7 +202,11 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             req.stats.first_accepted += n > 0 and a > 0
             req.stats.later_reached += max(0, min(a + 1, n) - 1)  # d_2.. reached: the drafts before accepted
             req.stats.later_accepted += max(0, a - 1)
-            req.stats.looked_up += n > 0 and looked is not None and bool(looked[i])
+            if by_lookup[i]:  # (the lookup's part, which the policy judges apart: `estimates`)
+                req.stats.looked_up += n > 0
+                req.stats.looked_accepted += n > 0 and a > 0
+                req.stats.looked_later_reached += max(0, min(a + 1, n) - 1)
+                req.stats.looked_later_accepted += max(0, a - 1)
             stats.drafted += n
             stats.accepted += a
             stats.accept_hist[a] += 1
@@ -196,7 +218,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         draft_s = timer.since(before)["draft"]
         rest_s = elapsed - draft_s
         draft_s = max(0.0, draft_s - (getattr(engine.drafter, "catch_up_s", 0.0) - indexed_s))
-        policy.observe(accepted, lengths, confidence, rest_s, draft_s, caught_up=caught_up > 0, timed=not fused)
+        policy.observe(accepted, lengths, confidence, rest_s, draft_s, caught_up=caught_up > 0, timed=not fused,
+                       looked=by_lookup)
         predicted = policy.predicted_s()
         if predicted is not None and not fused:
             stats.predicted_s += predicted

@@ -142,20 +142,22 @@ class HybridDrafter:
         # this round, for the gate: (start by `_clock`, seconds of the model's catch-up left out, whether the
         # model drafted the rows without a match: None when there were none, or the gate had no say)
         self._round: tuple[float, float, bool | None] | None = None
-        # `lookahead`'s (rows, lookups, start, what the gate decided for the rows without a match)
-        self._found: tuple[tuple, list[list[int]], float, bool | None] | None = None
+        # `lookahead`'s (rows, lookups (tokens, confidence), start, what the gate decided for the rows
+        # without a match)
+        self._found: tuple[tuple, list[tuple[list[int], list[float]]], float, bool | None] | None = None
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         self.lookup.prefill(reqs, ends)  # the draft model catches up when it first drafts a row
 
-    def lookahead(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
-        """Before a policy plans the round (decode/round.py): per row, how many tokens the lookup
-        proposes (its drafting costs no draft-model step), None for a row the draft model would
-        draft, 0 for a row nothing drafts (no match, and the gate keeps the model off greedy
-        rows). The next `propose` for the same rows reuses these lookups, each cut to its row's
-        planned length."""
+    def lookahead(self, reqs: list[Request], caps: list[int]) -> list[list[float] | None]:
+        """Before a policy plans the round (decode/round.py): per row, the `match_confidence` of
+        each token the lookup proposes (as many as it proposes; its drafting costs no draft-model
+        step), None for a row the draft model would draft, [] for a row nothing drafts (no match,
+        and the gate keeps the model off greedy rows). The next `propose` for the same rows reuses
+        these lookups, each cut to its row's planned length."""
         start = self._clock()
-        found = [self.lookup.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)]
+        looked = [self.lookup.find(r, c) if c > 0 else ([], []) for r, c in zip(reqs, caps)]
+        found = [f[0] for f in looked]
         model = self.gate.use()
         self._round = None
         if not model and any(c > 0 and not f and r.params.greedy for f, c, r in zip(found, caps, reqs)):
@@ -163,9 +165,9 @@ class HybridDrafter:
             # when the round ends up plain; `observe` is)
             self.gate.skip()
             self._round = (start, 0.0, False)
-        self._found = (self._key(reqs), found, start, False if self._round else None)
-        return [len(f) if f else None if c > 0 and (model or not r.params.greedy) else 0
-                for f, c, r in zip(found, caps, reqs)]
+        self._found = (self._key(reqs), looked, start, False if self._round else None)
+        return [conf if f else None if c > 0 and (model or not r.params.greedy) else []
+                for (f, conf), c, r in zip(looked, caps, reqs)]
 
     @staticmethod
     def _key(reqs: list[Request]) -> tuple:
@@ -179,10 +181,11 @@ class HybridDrafter:
         caps = lengths if lengths is not None else [gamma] * len(reqs)
         looked, self._found, skipped = self._found, None, None
         if looked is not None and looked[0] == self._key(reqs):
-            found = [f[:c] for f, c in zip(looked[1], caps)]
+            lookups = [(f[:c], conf[:c]) for (f, conf), c in zip(looked[1], caps)]
             start, skipped = looked[2], looked[3]  # the round began with the lookups
         else:
-            found = [self.lookup.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)]
+            lookups = [self.lookup.find(r, c) if c > 0 else ([], []) for r, c in zip(reqs, caps)]
+        found = [f for f, _ in lookups]
         device = self.model.runner.device
         tokens = torch.tensor([f + [0] * (gamma - len(f)) for f in found], dtype=torch.long, device=device)
         rows = self._model_rows = [i for i, (f, c) in enumerate(zip(found, caps)) if c > 0 and not f]
@@ -195,9 +198,12 @@ class HybridDrafter:
             # never on the clock, so a seeded request samples the same text every time
             rows = self._model_rows = [i for i in rows if not reqs[i].params.greedy]
             decided = None if rows else False
+        # q(d_j) of the model's rows (greedy ones: TETRIS), the lookup's `match_confidence` on its own
+        confidence = torch.tensor([conf + [float("nan")] * (gamma - len(conf)) for _, conf in lookups],
+                                  device=device) if gamma else None
         if not rows:
             self._round = (start, 0.0, decided)
-            return DraftProposal(tokens, None, [len(f) for f in found])
+            return DraftProposal(tokens, None, [len(f) for f in found], confidence=confidence)
         # what a row's catch-up (its prompt, or a stretch the lookup drafted) costs serves the rounds
         # the model drafts for it from now on: the gate charges this round the share a plan does
         # (`AdaptivePolicy.catch_up_share`) and leaves the rest of it out, pro rata of the tokens
@@ -216,9 +222,7 @@ class HybridDrafter:
                                      BatchSampling.of([r.params for r in sub], device), sub_caps)
         index = torch.tensor(rows, device=device)
         tokens[index, :width] = drafted.tokens
-        confidence = None  # q(d_j) of the model's rows (greedy ones: TETRIS), NaN on the lookup's
         if drafted.confidence is not None:
-            confidence = torch.full((len(reqs), gamma), float("nan"), device=device)
             confidence[index, :width] = drafted.confidence.to(confidence.dtype)
         probs = None
         if drafted.probs is not None:  # some model row samples: the n-gram rows need their one-hot q

@@ -82,12 +82,30 @@ def cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
     return tokens
 
 
-def point_proposal(rows: list[list[int]], device) -> DraftProposal:
+def match_confidence(shares: list[float], m: int) -> list[float]:
+    """How likely each token a lookup copies is to be accepted, from the match it follows: token j
+    (0-based) continues a match of m + j tokens, and shares[j] is its share of what followed that
+    context before (count / (total + 1)). A long match makes any continuation likely, a short one
+    only a well-attested one: 1 - (1 - share) x 2 / (m + j). It orders drafts; the policy learns
+    what each level of it is worth (`sched/adaptive.py`, `Calibration`).
+
+    Measured (suffix lookups at batch 1, 48 bundled prompts, first drafts): accepted 0.40 after a
+    match of 2 tokens, 0.6 after 3-4, 0.85-0.92 after 5 or more; after m = 2, 0.14-0.27 for shares
+    below 0.4 and 0.6-0.8 above 0.6; after m >= 6, 0.9-1.0 whatever the share.
+    Example: m = 2, share 1/2 (seen once) -> 0.5, 0.67, 0.75 for j = 0, 1, 2; m = 6 -> 0.83."""
+    return [1.0 - (1.0 - q) * 2.0 / (m + j) for j, q in enumerate(shares)]
+
+
+def point_proposal(rows: list[list[int]], device, confidence: list[list[float]] | None = None) -> DraftProposal:
     """Ragged rows of proposed tokens as a deterministic proposal: tokens [B, longest row], padded
-    with 0 (never verified), q one-hot, lengths the rows' lengths."""
+    with 0 (never verified), q one-hot, lengths the rows' lengths; `confidence` each row's
+    `match_confidence` (padded with NaN)."""
     width = max(len(r) for r in rows)
     tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
-    return DraftProposal(tokens, None, [len(r) for r in rows])
+    conf = None
+    if confidence is not None and width:
+        conf = torch.tensor([c + [float("nan")] * (width - len(c)) for c in confidence], device=device)
+    return DraftProposal(tokens, None, [len(r) for r in rows], confidence=conf)
 
 
 class LookupDrafter:
@@ -158,13 +176,15 @@ class LookupDrafter:
         shared = min(self.shared_unindexed(), intake) if greedy else 0.0
         return self.token_s * (own + shared)
 
-    def find(self, req: Request, limit: int) -> tuple[list[int], int]:
+    def find(self, req: Request, limit: int) -> tuple[list[int], list[float]]:
+        """(tokens proposed for `req`, at most `limit`; each one's `match_confidence`)."""
         raise NotImplementedError
 
     def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
                 sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
         caps = lengths if lengths is not None else [gamma] * len(reqs)
-        return point_proposal([self.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)], self.device)
+        found = [self.find(r, c) if c > 0 else ([], []) for r, c in zip(reqs, caps)]
+        return point_proposal([f[0] for f in found], self.device, [f[1] for f in found])
 
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:
         pass
@@ -186,15 +206,17 @@ class NgramDrafter(LookupDrafter):
             idx = self._index[req.index] = NgramIndex(self.min_n, self.max_n)
         return idx
 
-    def find(self, req: Request, limit: int) -> tuple[list[int], int]:
-        """(proposed tokens, match length n) for one request: at most min(k, limit) tokens, cut after
-        a stop token; ([], 0) without a match."""
+    def find(self, req: Request, limit: int) -> tuple[list[int], list[float]]:
+        """(proposed tokens, each one's `match_confidence`) for one request: at most min(k, limit)
+        tokens, cut after a stop token; ([], []) without a match. One occurrence says nothing of
+        how often the continuation follows: each token counts as once seen (share 1/2)."""
         idx, tokens = self.index(req), req.token_ids
         self._catch_up(lambda: idx.extend(tokens), len(tokens) - idx.upto, limit + 1)
         n, e = idx.match(req.token_ids)
         if n == 0:
-            return [], 0
-        return cut_at_stop(idx.continuation(req.token_ids, e, min(self.k, limit)), req.stop_ids), n
+            return [], []
+        out = cut_at_stop(idx.continuation(req.token_ids, e, min(self.k, limit)), req.stop_ids)
+        return out, match_confidence([0.5] * len(out), n)
 
     def unindexed(self, req: Request) -> int:
         idx = self._index.get(req.index)

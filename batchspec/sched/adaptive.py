@@ -375,9 +375,11 @@ class AdaptivePolicy:
     strength: float = 4.0  # how many drafted tokens the prior weighs
     margin: float = 1.05  # speculate only when it is predicted this much faster than plain decoding
     optimism: float = 0.5  # the bonus on rates measured on few drafts (see `_bonus`)
-    # per draft position j: [accepted, reached] over all rows (reached: d_j drafted, d_1..d_{j-1} accepted)
-    _positions: list[list[float]] = field(default_factory=list)
-    calibration: Calibration = field(default_factory=Calibration)
+    # per source (True: a hybrid drafter's lookup, False: the drafter itself, `looked`), per draft
+    # position j: [accepted, reached] over all rows (reached: d_j drafted, d_1..d_{j-1} accepted)
+    _positions: dict[bool, list[list[float]]] = field(default_factory=lambda: {False: [], True: []})
+    calibration: Calibration = field(default_factory=Calibration)  # of the drafter's q(d_j)
+    lookup_calibration: Calibration = field(default_factory=Calibration)  # of a hybrid's lookup's confidence
     last: dict = field(default_factory=dict)  # the last decision, for stats
     guard: SpecGuard = field(default_factory=SpecGuard)  # what the cost model misses, per batch size
     replan_every: int = 8  # see `plain_now`
@@ -392,8 +394,9 @@ class AdaptivePolicy:
     _planning: dict = field(default_factory=dict, repr=False)  # batch-size bucket -> seconds a plan takes
     # the last plain plan: [key, rounds since, kept plain by the guard, settled (see `plain_now`)]
     _memo: list | None = field(default=None, repr=False)
-    # whether the last round timed (one that prefilled no prompt) verified no draft: see `plain_now`
-    last_plain: bool = field(default=False, repr=False)
+    # whether the last round timed (one that prefilled no prompt) verified no draft (None: none was
+    # timed yet): see `plain_now`, and `decode/round.py` (a hybrid's lookups)
+    last_plain: bool | None = field(default=None, repr=False)
     # accepted drafts and what the estimates expected of them, exponential averages over speculative
     # rounds, and how many rounds they rest on
     _realised: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0], repr=False)
@@ -401,15 +404,38 @@ class AdaptivePolicy:
     realised_weight: float = 0.01  # see `gain_scale`
     own_strength: float = 8.0  # how many later drafts the pair's rate weighs in a request's (`later_factors`)
 
-    def alpha(self, first_accepted: int, first_drafted: int) -> float:
+    def alpha(self, first_accepted: int, first_drafted: int, looked: bool = False) -> float:
         """A row's first-draft acceptance: its own record, shrunk toward the pair's running rate,
-        plus the optimism bonus while the pair's rate rests on little data."""
-        acc, reached = self._positions[0] if self._positions else (0.0, 0.0)
+        plus the optimism bonus while the pair's rate rests on little data; `looked`: of drafts a
+        hybrid drafter's lookup proposes (their own record and rates, see `estimates`)."""
+        positions = self._positions[looked]
+        acc, reached = positions[0] if positions else (0.0, 0.0)
         prior = (acc + self.strength * self.prior) / (reached + self.strength)  # the pair's running rate
         prior += self._bonus(reached)
         return min(0.99, (first_accepted + self.strength * prior) / (first_drafted + self.strength))
 
-    def later_factors(self, stats: list) -> list[float]:
+    def estimates(self, stats: list, looked: list[bool] | None = None) -> tuple[list[float], list[float]]:
+        """Each row's α and `later_factors` from its request's `RequestStats`, from the record of
+        the source that drafts for it (`looked[i]`: a hybrid drafter's lookup, else the drafter).
+        The two are far apart: on the bundled prompts at batch 1, rounds the suffix lookup drafted
+        made 2.3-2.5 tokens for 2 drafts verified and 2.3 for 4, the draft model's 2.1 for 2; one
+        record for both priced the model's drafts at the lookup's rates and the lookup's fourth
+        draft at the model's (the default 6 % behind fixed γ = 2)."""
+        looked = looked or [False] * len(stats)
+        alphas = [self.alpha(*self.own_record(s, by)[:2], looked=by) for s, by in zip(stats, looked)]
+        return alphas, self.later_factors(stats, looked)
+
+    @staticmethod
+    def own_record(s, looked: bool) -> tuple[int, int, int, int]:
+        """(first accepted, first drafted, later accepted, later reached) of a request's drafts
+        from one source (`RequestStats`: totals, and the lookup's part of them)."""
+        mine = (s.looked_accepted, s.looked_up, s.looked_later_accepted, s.looked_later_reached)
+        if looked:
+            return mine
+        total = (s.first_accepted, s.first_drafted, s.later_accepted, s.later_reached)
+        return tuple(t - m for t, m in zip(total, mine))
+
+    def later_factors(self, stats: list, looked: list[bool] | None = None) -> list[float]:
         """Per request (its `RequestStats`), how it accepts drafts after its first, relative to the
         pair (whose rate is read once for all): its own rate over those drafts (`later_accepted`
         of `later_reached`), shrunk toward the pair's (`own_strength` drafts' worth), over the
@@ -421,12 +447,17 @@ class AdaptivePolicy:
 
         Example: the pair accepted 300 of 400 later drafts (0.75); a request 2 of 12: (2 + 8 x
         0.75) / (12 + 8) = 0.4, factor 0.53, so its d_2 rate 0.8 becomes 0.43."""
-        acc = sum(p[0] for p in self._positions[1:])
-        reached = sum(p[1] for p in self._positions[1:])
-        pair = (acc + self.strength * self.prior) / (reached + self.strength)
-        k = self.own_strength
-        return [(s.later_accepted + k * pair) / (s.later_reached + k) / pair if s.later_reached else 1.0
-                for s in stats]
+        looked = looked or [False] * len(stats)
+        pairs = {}
+        for by in set(looked):
+            acc = sum(p[0] for p in self._positions[by][1:])
+            reached = sum(p[1] for p in self._positions[by][1:])
+            pairs[by] = (acc + self.strength * self.prior) / (reached + self.strength)
+        k, out = self.own_strength, []
+        for s, by in zip(stats, looked):
+            _, _, accepted, reached = self.own_record(s, by)
+            out.append((accepted + k * pairs[by]) / (reached + k) / pairs[by] if reached else 1.0)
+        return out
 
     def _bonus(self, reached: float) -> float:
         """Optimism in the face of uncertainty (as in UCB): a rate measured on few drafts is taken
@@ -435,14 +466,15 @@ class AdaptivePolicy:
         prior of 0.6 for a pair that accepts 0.8). After 100 drafts the bonus is 0.05."""
         return self.optimism / (reached + self.strength) ** 0.5
 
-    def later_rates(self) -> list[float]:
+    def later_rates(self, looked: bool = False) -> list[float]:
         """P(d_j accepted | d_1..d_{j-1} accepted) for j = 2..γ, pair-wide, each with its bonus. A
         position reached rarely or never borrows its predecessor's rate as its prior, starting
-        from d_1's (rates grow along a run)."""
-        acc, reached = self._positions[0] if self._positions else (0.0, 0.0)
+        from d_1's (rates grow along a run). `looked`: of a hybrid drafter's lookup's drafts."""
+        positions = self._positions[looked]
+        acc, reached = positions[0] if positions else (0.0, 0.0)
         rates, prior = [], (acc + self.strength * self.prior) / (reached + self.strength)
         for j in range(1, self.gamma_max):
-            acc, reached = self._positions[j] if j < len(self._positions) else (0.0, 0.0)
+            acc, reached = positions[j] if j < len(positions) else (0.0, 0.0)
             prior = (acc + self.strength * prior) / (reached + self.strength)
             rates.append(min(0.99, prior + self._bonus(reached)))
         return rates or [self.prior]
@@ -585,7 +617,8 @@ class AdaptivePolicy:
     def plan(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
              first_fed: list[float] | None = None, key: tuple | None = None,
              held: list[int] | None = None, index_s: float = 0.0, split_s: list[float] | None = None,
-             settle: bool = True, factors: list[float] | None = None) -> list[int]:
+             settle: bool = True, factors: list[float] | None = None,
+             looked: list[bool] | None = None, confidence: list[list[float] | None] | None = None) -> list[int]:
         """How many tokens each row drafts this round (row i at most caps[i]). weights[i] (default
         1) is what a token of row i is worth: when nothing waits for a row, the batch lasts as long
         as its longest request, so the round passes weigh rows by the work they have left; a row
@@ -600,13 +633,17 @@ class AdaptivePolicy:
         to a speculative round. split_s[i] (default 0): seconds charged if row i verifies a draft
         (see `split_s`). settle: a plain plan may be found settled (see `plain_now`); not when
         caps are what a lookup found this round (they change from round to round). factors[i]
-        (default 1): row i's `later_factors`."""
+        (default 1): row i's `later_factors`. looked[i] (default False): a hybrid drafter's lookup
+        drafts row i (its later rates are the lookup's: `estimates`). confidence[i]: what the
+        lookup found for row i already, each token's confidence (`drafters/ngram.py`,
+        `match_confidence`), by which its rates are calibrated as `prune` calibrates drafts."""
         if self.cost is None:
             return list(caps)
         b = len(caps)
         if self.guard.plain_due(b) and not any(held or ()):
             return self.plain(b)
-        lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed, held, index_s, split_s, factors)
+        lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed, held, index_s, split_s, factors,
+                                              looked, confidence)
         if blocked:
             self.guard.kept_plain(b)
         memo, self._memo = self._memo, None
@@ -617,7 +654,7 @@ class AdaptivePolicy:
             free = first_fed is not None and not any(first_fed)  # this plan priced every draft free already
             settled = settle and not blocked and not known and (
                 free or not any(self._best_lengths(alphas, caps, weights, [0.0] * b, held, index_s, split_s,
-                                                   factors)[0]))
+                                                   factors, looked, confidence)[0]))
             self._memo = [key, 0, blocked, settled]
         self.last = {"rows": b, "draft_s": self.draft_s(b, self._fed(lengths, first_fed)),
                      "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
@@ -693,16 +730,21 @@ class AdaptivePolicy:
     def _best_lengths(self, alphas: list[float], caps: list[int], weights: list[float] | None,
                       first_fed: list[float] | None, held: list[int] | None = None,
                       index_s: float = 0.0, split_s: list[float] | None = None,
-                      factors: list[float] | None = None) -> tuple[list[int], bool]:
+                      factors: list[float] | None = None, looked: list[bool] | None = None,
+                      confidence: list[list[float] | None] | None = None) -> tuple[list[int], bool]:
         """`plan`'s decision, without recording it: the lengths, and whether they are all 0 only
         because of the guard's penalty (a speculative round's predicted time times the penalty:
         the same factor for every way of speculating, so the best of them stays the best)."""
         weights = weights or [1.0] * len(caps)
-        later = self.later_rates()
+        later = self._later_by(looked)
         scale = self.gain_scale()
         factors = factors or [1.0] * len(caps)
-        gains = [self._gains(self._rates(a, later, c, f), w, scale)
-                 for a, c, w, f in zip(alphas, caps, weights, factors)]
+        gains = []
+        for i, (a, c, w, f) in enumerate(zip(alphas, caps, weights, factors)):
+            rates = self._rates(a, later[bool(looked and looked[i])], c, f)
+            if confidence is not None and confidence[i] is not None:
+                rates = self._calibration(looked, i).rates(confidence[i], rates)
+            gains.append(self._gains(rates, w, scale))
         b = len(caps)
         # a speculative round is planned again next round; a plain plan stands a while
         seconds = self.cost.round_seconds(b, self.packed, spec_s=self.replan_s(b) + index_s)
@@ -718,21 +760,22 @@ class AdaptivePolicy:
 
     def prune(self, alphas: list[float], lengths: list[int], confidence: list[list[float] | None] | None,
               draft_spent_s: float, weights: list[float] | None = None, held: list[int] | None = None,
-              split_s: list[float] | None = None, factors: list[float] | None = None) -> list[int]:
+              split_s: list[float] | None = None, factors: list[float] | None = None,
+              looked: list[bool] | None = None) -> list[int]:
         """Which drafted tokens to verify: a prefix of lengths[i] per row (TETRIS). confidence[i]
         is row i's q(d_j), given only for greedy rows: for a sampled row, choosing whether to
         verify d_j by its own q(d_j) would bias the output (q = (0.9, 0.1) over {a, b}, p = (0.5,
         0.5), verifying d only when d = a emits a with probability 0.9 x 0.5/0.9 + 0.1 x 0.5 =
         0.55), so sampled rows are ranked by their acceptance record alone, which no draft of this
-        round influences. weights, held and factors as in `plan` (a fixed `budget` counts held
-        drafts first, and is exceeded only by them)."""
+        round influences. weights, held, factors and looked as in `plan` (a fixed `budget` counts
+        held drafts first, and is exceeded only by them)."""
         weights = weights or [1.0] * len(lengths)
-        later = self.later_rates()
+        later = self._later_by(looked)
         gains, expected, scale = [], [], self.gain_scale()
         for i, (a, n) in enumerate(zip(alphas, lengths)):
-            rates = self._rates(a, later, n, factors[i] if factors else 1.0)
+            rates = self._rates(a, later[bool(looked and looked[i])], n, factors[i] if factors else 1.0)
             if confidence is not None and confidence[i] is not None:
-                rates = self.calibration.rates(confidence[i], rates)
+                rates = self._calibration(looked, i).rates(confidence[i], rates)
             expected.append(cumulative(rates))
             gains.append(self._gains(rates, weights[i], scale))
         b = len(lengths)
@@ -770,10 +813,18 @@ class AdaptivePolicy:
         factors = self.later_factors([reqs[i].stats for i in going])
         for i, factor in zip(going, factors):
             r = reqs[i]
-            priors = self._rates(self.alpha(r.stats.first_accepted, r.stats.first_drafted), later, depth, factor)
+            priors = self._rates(self.alpha(*self.own_record(r.stats, False)[:2]), later, depth, factor)
             if scale * cumulative(self.calibration.rates(confidence[i][:depth], priors))[-1] * after < price:
                 out[i] = depth
         return out
+
+    def _calibration(self, looked: list[bool] | None, i: int) -> Calibration:
+        """Row i's: of its lookup's confidence where a hybrid's lookup drafts it, else of q."""
+        return self.lookup_calibration if looked and looked[i] else self.calibration
+
+    def _later_by(self, looked: list[bool] | None) -> dict[bool, list[float]]:
+        """`later_rates` of each source `looked` names (the drafter's alone when None)."""
+        return {by: self.later_rates(by) for by in set(looked or [False])}
 
     def _capped(self, gains: list[list[float]], held: list[int] | None = None) -> list[list[float]]:
         """With a fixed budget, only its worth of the ranking can be chosen."""
@@ -784,7 +835,8 @@ class AdaptivePolicy:
 
     def may_speculate(self, alphas: list[float], caps: list[int], weights: list[float] | None = None,
                       held: list[int] | None = None, index_s: float = 0.0, split_s: list[float] | None = None,
-                      key: tuple | None = None, factors: list[float] | None = None) -> bool:
+                      key: tuple | None = None, factors: list[float] | None = None,
+                      looked: list[bool] | None = None) -> bool:
         """Whether `plan` could speculate if no row's drafting cost a draft step (an upper bound: a
         hybrid drafter's lookups, which bound lengths and make rows free, cost time of their own,
         so they are done only when they can change a plain plan), the indexing `index_s` charged
@@ -794,7 +846,8 @@ class AdaptivePolicy:
         if self.cost is None or any(held or ()):
             return True
         b = len(caps)
-        lengths, blocked = self._best_lengths(alphas, caps, weights, [0.0] * b, held, index_s, split_s, factors)
+        lengths, blocked = self._best_lengths(alphas, caps, weights, [0.0] * b, held, index_s, split_s, factors,
+                                              looked)
         if any(lengths):
             return True
         if key is not None:
@@ -834,14 +887,17 @@ class AdaptivePolicy:
         return record[0] if record is not None and record[1] >= self.record_rounds else None
 
     def observe(self, accepted: list[int], verified: list[int], confidence: list[list[float]] | None,
-                verify_s: float, draft_s: float, caught_up: bool = False, timed: bool = True) -> None:
+                verify_s: float, draft_s: float, caught_up: bool = False, timed: bool = True,
+                looked: list[bool] | None = None) -> None:
         """After a round: each row's accepted / verified drafts, the drafts' probabilities, the
         draft stage's seconds and the rest of the round's (the verify pass and everything around
         it: what the decision between a plain and a speculative round has to weigh); caught_up:
         the draft model first fed what it had missed (`DraftProposal.caught_up`); timed False: the
-        pass also prefilled prompts (`decode/round.py`), its seconds say nothing of the costs."""
-        while len(self._positions) < self.gamma_max:
-            self._positions.append([0.0, 0.0])
+        pass also prefilled prompts (`decode/round.py`), its seconds say nothing of the costs;
+        looked[i]: a hybrid drafter's lookup drafted row i (its record is the lookup's)."""
+        for positions in self._positions.values():
+            while len(positions) < self.gamma_max:
+                positions.append([0.0, 0.0])
         if timed:  # (a round that prefilled a prompt drafted for its other rows only if the last did)
             self.last_plain = not any(verified)
             record = self._drafting.setdefault(rows_bucket(len(verified)), [0.0, 0])
@@ -849,11 +905,12 @@ class AdaptivePolicy:
             drafted = sum(1 for n in verified if n) / max(1, len(verified))
             record[0] += max(self.record_weight, 1 / record[1]) * (drafted - record[0])
         for i, (a, n) in enumerate(zip(accepted, verified)):
+            positions = self._positions[bool(looked and looked[i])]
             for j in range(min(a + 1, n)):  # d_1..d_min(a+1, n) were reached; the first a accepted
-                self._positions[j][1] += 1
-                self._positions[j][0] += j < a
+                positions[j][1] += 1
+                positions[j][0] += j < a
                 if confidence is not None and confidence[i] is not None:
-                    self.calibration.add(confidence[i][j], j < a)
+                    self._calibration(looked, i).add(confidence[i][j], j < a)
         if self.last.get("expected") and self.last.get("rows") == len(verified):
             realised = self._realised
             realised[2] += 1
