@@ -288,3 +288,9 @@ issue19_8to64 wave32_adaptive_8to64
 issue19_at 1,2,4 wave32_adaptive_1to4
 drafters_twin wave32
 verify_exact verify_wave32
+# Wave 33: a hybrid's lookup drafts judged by their own acceptance record and each copy's match
+# confidence (641c00f); measured on the Intel Xeon:
+issue19_8to64 wave33_adaptive_8to64
+issue19_at 1,2,4 wave33_adaptive_1to4
+drafters_twin wave33
+verify_exact verify_wave33

@@ -4,7 +4,10 @@ Pure Python over numbers the engine measures. Row i's drafts are accepted with p
 (its own first-draft rate α_i, then pair-wide rates for d_2, d_3, ... given the earlier ones were
 accepted: acceptance comes in runs; scaled by how the request's own drafts after the first fared
 against the pair's, `later_factors`), so verifying d_i1..d_ij adds G_ij = rate_1 ... rate_j expected
-tokens to the one token every row commits anyway. A round in which row i drafts γ_i tokens costs
+tokens to the one token every row commits anyway. A hybrid drafter's lookup keeps records of its own
+(`estimates`), and what it found for a row is known before the plan, each copied token with its
+confidence (`drafters/ngram.py`, `match_confidence`), which calibrates that row's rates as q does a
+draft model's (`lookup_calibration`). A round in which row i drafts γ_i tokens costs
 
     draft   Σ_j D(b_j)         one draft step per depth j, feeding the b_j rows drafting >= j tokens
     verify  V(b, 1 + max γ_i)  one target pass over b rows as wide as the longest row, less what the
