@@ -812,3 +812,20 @@ def test_the_plan_prices_what_a_lookup_found_by_its_confidence():
     assert lengths[:4] == [3] * 4 and lengths[4:] == [0] * 4
     assert len(set(policy.plan(alphas, [3] * 8, factors=factors, looked=[True] * 8))) == 1  # blind: all alike
 
+
+
+def test_what_a_plan_reads_several_times_a_round_follows_every_observation():
+    """`later_rates` and the scales `round_seconds` reads are computed once per observation (a plan,
+    TETRIS pruning and `cut` read them in one round), and what the next round reads has moved."""
+    policy = exact_policy(cost(), gamma_max=3, prior=0.5)
+    before = list(policy.later_rates())
+    assert policy.later_rates() is policy.later_rates()  # (once per observation)
+    policy.observe([3], [3], None, 0.0, 0.0)
+    assert policy.later_rates() != before and policy.later_rates()[0] > before[0]
+    c = policy.cost
+    seconds = c.round_seconds(8)(8, [8.0])
+    c.correct(c.verify(8, 2), 2 * c.verify(8, 2), 0.0, 0.0, rows=8, deepest=1)  # a pass took twice its price
+    assert c.round_seconds(8)(8, [8.0]) > seconds
+    plain = c.round_seconds(8)(0, [])
+    c.correct(c.verify(8, 1), 2 * c.verify(8, 1), 0.0, 0.0, plain=True)
+    assert c.round_seconds(8)(0, []) == pytest.approx(plain * 2 ** 0.1)

@@ -97,15 +97,16 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             # is charged its share (`catch_up_share`), priced per token fed (`CostModel.catch_up`)
             first_fed = [1 + policy.catch_up(len(batch), (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1)
                                              * policy.catch_up_share(r)) for r in batch]
-        # a lookup drafter first indexes what it has not seen: a row's own index a one-off priced at
-        # the row's share, a shared one at most what finishing requests bring it a round (`intake`)
-        index_s = 0.0
-        if hasattr(engine.drafter, "index_s"):  # (a row joining with its prompt drafts nothing: not charged)
-            shares = [0.0 if lead else s for s, lead in zip(policy.index_shares(batch), leads)]
-            index_s = engine.drafter.index_s(batch, shares, policy.intake(batch))
         # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
         # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
         lookups = hasattr(engine.drafter, "lookahead")
+        # a lookup drafter first indexes what it has not seen: a row's own index a one-off priced at
+        # the row's share, a shared one at most what finishing requests bring it a round (`intake`);
+        # a hybrid's lookups are priced so only by `may_speculate`, not asked after a speculative round
+        index_s = 0.0
+        if hasattr(engine.drafter, "index_s") and not (lookups and policy.last_plain is False):
+            shares = [0.0 if lead else s for s, lead in zip(policy.index_shares(batch), leads)]  # (a row joining
+            index_s = engine.drafter.index_s(batch, shares, policy.intake(batch))  # with its prompt drafts nothing)
         if lookups:  # whichever source would draft a row, the free drafts are bounded by the likelier
             found = policy.estimates([r.stats for r in batch], [True] * len(batch))
             bound = [m < f for m, f in zip(alphas, found[0])]

@@ -106,6 +106,8 @@ class CostModel:
     _cached_b: int | None = field(default=None, repr=False, compare=False)
     _cached: list[float] = field(default_factory=list, repr=False, compare=False)
     _columns: dict = field(default_factory=dict, repr=False, compare=False)  # b -> see round_seconds
+    _version: int = field(default=0, repr=False, compare=False)  # corrections so far (`correct`)
+    _scaled: dict = field(default_factory=dict, repr=False, compare=False)  # b -> (version, scales, plain)
 
     def verify(self, b: int, n: float) -> float:
         """A pass feeding every row n tokens."""
@@ -181,12 +183,15 @@ class CostModel:
         b0, b1 = self.rows
         slope = (self.draft_s[b1] - self.draft_s[b0]) / (b1 - b0) if b1 != b0 else 0.0
         base, dscale = self.draft_s[b0] - slope * b0, self.draft_scale
-        plain = max(1e-6, self.plain_scale * self.profiled(b, 1))
         table = self._columns.get(b)
         if table is None:  # unscaled V at every depth
             table = self._columns[b] = [self.profiled(b, 1 + d) for d in range(self.cols[-1])]
         last, save, floor = len(table) - 1, self.saving(b), table[0]
-        scales = [self.spec_scale(b, d) for d in range(len(table))]
+        scaled = self._scaled.get(b)  # (the scales move only in `correct`: read once per correction)
+        if scaled is None or scaled[0] != self._version:
+            scaled = self._scaled[b] = (self._version, [self.spec_scale(b, d) for d in range(len(table))],
+                                        max(1e-6, self.plain_scale * self.profiled(b, 1)))
+        _, scales, plain = scaled
 
         linear = packed and base + slope >= 0 and slope >= 0  # no step clamped at 0 (a step feeds >= 1)
 
@@ -234,6 +239,7 @@ class CostModel:
                 self.verify_scale *= (measured_verify / predicted_verify) ** weight
         if predicted_draft > 0 and measured_draft > 0:
             self.draft_scale *= (measured_draft / predicted_draft) ** weight
+        self._version += 1
 
 
 class Calibration:
@@ -406,6 +412,8 @@ class AdaptivePolicy:
     scale_prior_rounds: float = 8.0  # see `gain_scale`
     realised_weight: float = 0.01  # see `gain_scale`
     own_strength: float = 8.0  # how many later drafts the pair's rate weighs in a request's (`later_factors`)
+    _observed: int = field(default=0, repr=False)  # rounds observed (what `later_rates` rests on moved)
+    _later_cache: dict = field(default_factory=dict, repr=False)
 
     def alpha(self, first_accepted: int, first_drafted: int, looked: bool = False) -> float:
         """A row's first-draft acceptance: its own record, shrunk toward the pair's running rate,
@@ -472,7 +480,15 @@ class AdaptivePolicy:
     def later_rates(self, looked: bool = False) -> list[float]:
         """P(d_j accepted | d_1..d_{j-1} accepted) for j = 2..γ, pair-wide, each with its bonus. A
         position reached rarely or never borrows its predecessor's rate as its prior, starting
-        from d_1's (rates grow along a run). `looked`: of a hybrid drafter's lookup's drafts."""
+        from d_1's (rates grow along a run). `looked`: of a hybrid drafter's lookup's drafts. Read
+        several times a round (plan, prune, cut), computed once per `observe`."""
+        key = (looked, self._observed, self.prior, self.strength, self.optimism, self.gamma_max)
+        cached = self._later_cache.get(looked)
+        if cached is None or cached[0] != key:
+            cached = self._later_cache[looked] = (key, self._later_rates(looked))
+        return cached[1]
+
+    def _later_rates(self, looked: bool) -> list[float]:
         positions = self._positions[looked]
         acc, reached = positions[0] if positions else (0.0, 0.0)
         rates, prior = [], (acc + self.strength * self.prior) / (reached + self.strength)
@@ -898,6 +914,7 @@ class AdaptivePolicy:
         the draft model first fed what it had missed (`DraftProposal.caught_up`); timed False: the
         pass also prefilled prompts (`decode/round.py`), its seconds say nothing of the costs;
         looked[i]: a hybrid drafter's lookup drafted row i (its record is the lookup's)."""
+        self._observed += 1
         for positions in self._positions.values():
             while len(positions) < self.gamma_max:
                 positions.append([0.0, 0.0])
