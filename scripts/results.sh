@@ -294,3 +294,5 @@ issue19_8to64 wave33_adaptive_8to64
 issue19_at 1,2,4 wave33_adaptive_1to4
 drafters_twin wave33
 verify_exact verify_wave33
+# ... and batch 1 alone on the final code (e877100):
+issue19_at 1 wave33_adaptive_1_final
