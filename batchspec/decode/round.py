@@ -98,31 +98,30 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             first_fed = [1 + policy.catch_up(len(batch), (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1)
                                              * policy.catch_up_share(r)) for r in batch]
         # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
-        # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py)
+        # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py). Whether
+        # even free drafts would pay (`may_speculate`) is asked first, but only after a plain round:
+        # after one that verified drafts the answer is yes but for a rare turn, and at batch 1 asking
+        # costs as much as the plan, ~1 % of a round
         lookups = hasattr(engine.drafter, "lookahead")
+        ask = not lookups or policy.last_plain is not False
         # a lookup drafter first indexes what it has not seen: a row's own index a one-off priced at
-        # the row's share, a shared one at most what finishing requests bring it a round (`intake`);
-        # a hybrid's lookups are priced so only by `may_speculate`, not asked after a speculative round
+        # the row's share, a shared one at most what finishing requests bring it a round (`intake`)
         index_s = 0.0
-        if hasattr(engine.drafter, "index_s") and not (lookups and policy.last_plain is False):
-            shares = [0.0 if lead else s for s, lead in zip(policy.index_shares(batch), leads)]  # (a row joining
-            index_s = engine.drafter.index_s(batch, shares, policy.intake(batch))  # with its prompt drafts nothing)
-        if lookups:  # whichever source would draft a row, the free drafts are bounded by the likelier
-            found = policy.estimates([r.stats for r in batch], [True] * len(batch))
+        if hasattr(engine.drafter, "index_s") and ask:  # (a row joining with its prompt drafts nothing)
+            shares = [0.0 if lead else s for s, lead in zip(policy.index_shares(batch), leads)]
+            index_s = engine.drafter.index_s(batch, shares, policy.intake(batch))
+        if lookups:  # the lookup's drafts are judged by its own record; free drafts are bounded by
+            found = policy.estimates([r.stats for r in batch], [True] * len(batch))  # each row's likelier source
             bound = [m < f for m, f in zip(alphas, found[0])]
-            bounds = [[f if by else m for m, f, by in zip(model, lookup, bound)] for model, lookup in
-                      zip((alphas, factors), found)]
-        # (asked only after a plain round: after one that verified drafts, the answer is yes but for
-        # a rare turn, and at batch 1 asking costs as much as the plan, ~1 % of a round)
-        if lookups and policy.last_plain is not False and not policy.may_speculate(
-                bounds[0], lengths, weights, held, index_s, split, key=key, factors=bounds[1], looked=bound):
+        if lookups and ask and not policy.may_speculate(_pick(bound, found[0], alphas), lengths, weights, held, index_s,
+                                                        split, key=key, factors=_pick(bound, found[1], factors),
+                                                        looked=bound):
             lengths = [0] * len(batch)  # not even free drafts would pay: that is the plan (a plain one)
         elif lookups:
             with timer.stage("draft"):
                 looked = engine.drafter.lookahead(batch, lengths)
             by_lookup = [bool(f) for f in looked]
-            alphas = [f if by else m for m, f, by in zip(alphas, found[0], by_lookup)]
-            factors = [f if by else m for m, f, by in zip(factors, found[1], by_lookup)]
+            alphas, factors = _pick(by_lookup, found[0], alphas), _pick(by_lookup, found[1], factors)
             lengths = [n if f is None else min(n, len(f)) for n, f in zip(lengths, looked)]
             # what the lookup found is priced by its own confidence (greedy rows, as in `prune`)
             confidence = [f if f and r.params.greedy else None for f, r in zip(looked, batch)]
@@ -225,6 +224,11 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         if predicted is not None and not fused:
             stats.predicted_s += predicted
             stats.measured_s += rest_s + draft_s
+
+
+def _pick(which: list[bool], yes: list, no: list) -> list:
+    """Per row, yes[i] where which[i], else no[i]."""
+    return [y if w else n for w, y, n in zip(which, yes, no)]
 
 
 def _fed_ids(batch: list[Request], leads: list[int], drafts: torch.Tensor, lengths: list[int], device) -> torch.Tensor:
