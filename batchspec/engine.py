@@ -331,8 +331,9 @@ class SpecEngine:
         (else the drafter catches up if and when it drafts)."""
         rows = min(len(self.scheduler.resident), self.config.batch_size)
         if self.drafter is not None and (self.policy is None or self.policy.speculates(rows)):
+            pairs = sorted(zip(reqs, ends), key=lambda re: re[0].slot)  # feed() takes slot order
             with self.timer.stage("prefill"):
-                self.drafter.prefill(reqs, ends)
+                self.drafter.prefill([r for r, _ in pairs], [e for _, e in pairs])
 
     def _prefill(self, reqs: list[Request], stats: RunStats) -> None:
         """One prefill chunk: at most max_prefill_tokens slots (rows x width) of prompt tokens."""

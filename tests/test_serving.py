@@ -73,14 +73,18 @@ def test_requests_arriving_at_random_rounds_match_the_reference(method):
     assert_no_kv_held(engine)
 
 
+@pytest.mark.parametrize("adaptive", [True, False])
 @pytest.mark.parametrize("method", METHODS)
-def test_tight_kv_budget_and_chunked_prefill_stay_exact(method):
+def test_tight_kv_budget_and_chunked_prefill_stay_exact(method, adaptive):
+    # fixed gamma: the drafter always prefills the requests joining a round, whose slots need not
+    # come in order (a freed low slot taken after a higher one); adaptive: whether it does depends
+    # on measured costs
     p, ids, refs = workload()
-    engine = SpecEngine(p, EngineConfig(drafter="draft_model",
+    engine = SpecEngine(p, EngineConfig(drafter="draft_model", adaptive=adaptive,
                                         method=method, batch_size=4, gamma=3, max_prefill_tokens=24, debug=True))
     rows = engine.rows
     budget = rows * (60 + MAX_NEW + 3)  # rows just long enough for the longest request
-    engine = SpecEngine(p, EngineConfig(drafter="draft_model",
+    engine = SpecEngine(p, EngineConfig(drafter="draft_model", adaptive=adaptive,
                                         method=method, batch_size=4, gamma=3, max_kv_tokens=budget,
                                         max_prefill_tokens=24, debug=True))
     assert engine.kv_tokens == budget and engine.row_capacity == 60 + MAX_NEW + 3
