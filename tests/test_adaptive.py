@@ -507,6 +507,20 @@ def test_a_plain_plan_stands_for_the_same_requests_a_few_rounds():
     assert any(policy.plan([0.8] * 2, [3] * 2, key=key)) and not policy.plain_now(key)
 
 
+def test_nothing_to_draft_is_a_plain_round_without_a_plan():
+    """Caps all 0 (a lookup found nothing and the draft model is off): plain, with nothing priced,
+    and a plain plan kept for the same requests is dropped (the next lookups may find something)."""
+    policy = exact_policy(cost(), gamma_max=3, prior=0.8, margin=1.0)
+    key = ("a", "b")
+    policy._memo = [key, 0, False, False]
+    best = policy._best_lengths
+    policy._best_lengths = lambda *args: pytest.fail("priced a round with nothing to draft")
+    assert policy.plan([0.9] * 2, [0, 0], key=key) == [0, 0]
+    assert policy.last["draft_s"] == 0.0 and not policy.plain_now(key)
+    policy._best_lengths = best
+    assert policy.plan([0.9] * 2, [3, 0], key=key) != [0, 0]
+
+
 def test_a_round_prefilling_a_prompt_follows_the_last_timed_round_without_a_plan():
     """A round that prefills a joining request (`decode/round.py`) is plain without planning where
     the last round that prefilled nothing was plain; after a speculative one it is planned. Its

@@ -659,6 +659,9 @@ class AdaptivePolicy:
         if self.cost is None:
             return list(caps)
         b = len(caps)
+        if not any(caps):  # nothing to draft (a lookup found nothing, and the model is off): no
+            self._memo = None  # choice to make, nor one to keep (~45 us a round at batch 1)
+            return self.plain(b)
         if self.guard.plain_due(b) and not any(held or ()):
             return self.plain(b)
         lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed, held, index_s, split_s, factors,
