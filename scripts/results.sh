@@ -296,3 +296,9 @@ drafters_twin wave33
 verify_exact verify_wave33
 # ... and batch 1 alone on the final code (e877100):
 issue19_at 1 wave33_adaptive_1_final
+# Wave 34: rounds at a standing length where a plan costs more than it earns (sched/standing.py);
+# measured on the Intel Xeon:
+issue19_at 1,2,4 wave34_adaptive_1to4
+issue19_8to64 wave34_adaptive_8to64
+drafters_twin wave34
+verify_exact verify_wave34

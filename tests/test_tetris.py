@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchspec.sched.tetris import best_budget, cumulative, ranking, select
+from batchspec.sched.tetris import best_budget, cumulative, ranking, rate_of, select
 
 EXAMPLE = [cumulative([0.9, 0.8, 0.5]), cumulative([0.5, 0.5, 0.5])]
 
@@ -155,3 +155,22 @@ def test_a_draft_worth_nothing_is_never_taken():
     assert best_budget([[0.0, 0.0], [0.0, 0.0]], seconds, 2.0, [0.0, 0.0]) == ([0, 0], 100.0)
     lengths, _ = best_budget([[0.5, 0.0], [0.0, 0.0]], seconds, 2.0, [0.0, 0.0])
     assert lengths == [1, 0]
+
+
+def test_rate_of_docstring_example():
+    assert rate_of([[0.9, 0.72], [0.5]], lambda total, fed: 1 + total / 10, 2, [2, 1]) == pytest.approx(4.12 / 1.3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rates=rows, fixed=st.floats(0.001, 0.05), per_token=st.floats(0.0001, 0.01), data=st.data())
+def test_rate_of_rates_lengths_as_best_budget_does(rates, fixed, per_token, data):
+    """best_budget's rate is rate_of its lengths (fed per depth, a row fed 0 at depth 0 feeding no
+    step below either)."""
+    gains = [cumulative(r) for r in rates]
+    first_fed = data.draw(st.lists(st.sampled_from([0.0, 1.0, 3.0]), min_size=len(gains), max_size=len(gains)))
+
+    def seconds(total, fed):
+        return fixed + per_token * total + 0.003 * sum(fed)
+
+    lengths, rate = best_budget(gains, seconds, len(gains), first_fed)
+    assert rate_of(gains, seconds, len(gains), lengths, first_fed) == pytest.approx(rate)

@@ -56,6 +56,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     """Advance every request of `batch` (in slot order) by one round; counters go to `stats`."""
     started = time.perf_counter()
     gamma, timer, target = engine.gamma, engine.timer, engine.target
+    staged = (timer.totals.get("draft", 0.0), timer.totals.get("verify", 0.0))  # (for the standing gate)
     device = engine.device
     sampling = BatchSampling.of([r.params for r in batch], device)
     u = None if sampling.all_greedy else draw_uniforms([r.generator for r in batch], 2 * gamma + 1, device)
@@ -77,7 +78,17 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     if policy is not None and not sampling.all_greedy:
         held = [n if r.params.seed is not None and not r.params.greedy else 0 for r, n in zip(batch, lengths)]
         held = held if any(held) else None
-    if policy is not None and held is None and policy.plain_now(key, len(batch), joining=fused):  # plain: due, or kept
+    # a round at the standing length: as fixed γ = L would run it, nothing planned or pruned, where
+    # such rounds made tokens faster than planned ones (sched/standing.py; never with a fixed
+    # budget, held rows or a prompt joining)
+    stand = None
+    if policy is not None and held is None and not fused and policy.cost is not None and policy.budget is None:
+        stand = policy.standing.length(len(batch))
+    if stand is not None:
+        lengths = [min(n, stand) for n in lengths]
+        policy.stood()
+        before = dict(timer.totals)
+    elif policy is not None and held is None and policy.plain_now(key, len(batch), joining=fused):  # plain, due or kept
         lengths = policy.plain(len(batch))
         before = dict(timer.totals)
     elif policy is not None:
@@ -151,7 +162,9 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             lengths = [min(n, m) for n, m in zip(lengths, proposal.lengths)]
             if held is not None:
                 held = [min(h, n) for h, n in zip(held, lengths)]
-        if policy is not None:  # TETRIS: which drafted tokens to verify
+        if stand is not None:
+            by_lookup = proposal.looked or by_lookup
+        elif policy is not None:  # TETRIS: which drafted tokens to verify
             if proposal.confidence is not None:  # greedy rows only (see sched/adaptive.py); NaN: unknown
                 confidence = [c if r.params.greedy and not math.isnan(c[0]) else None
                               for r, c in zip(batch, proposal.confidence.tolist())]
@@ -218,12 +231,18 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         draft_s = timer.since(before)["draft"]
         rest_s = elapsed - draft_s
         draft_s = max(0.0, draft_s - (getattr(engine.drafter, "catch_up_s", 0.0) - indexed_s))
-        policy.observe(accepted, lengths, confidence, rest_s, draft_s, caught_up=caught_up > 0, timed=not fused,
-                       looked=by_lookup)
+        policy.observe(accepted, lengths, confidence, rest_s, draft_s, caught_up=caught_up > 0,
+                       timed=not fused and stand is None, looked=by_lookup)
         predicted = policy.predicted_s()
         if predicted is not None and not fused:
             stats.predicted_s += predicted
             stats.measured_s += rest_s + draft_s
+        if policy.cost is not None and held is None and not fused and policy.budget is None:
+            # host time: all but the draft and verify stages (the lookups and the passes: the same work either way)
+            totals = timer.totals
+            host_s = elapsed - (totals.get("draft", 0.0) - staged[0]) - (totals.get("verify", 0.0) - staged[1])
+            policy.standing.record(len(batch), elapsed, host_s, stand is not None, lengths)
+            stats.standing_rounds += stand is not None
 
 
 def _pick(which: list[bool], yes: list, no: list) -> list:

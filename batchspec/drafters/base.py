@@ -23,6 +23,8 @@ class DraftProposal:
     # a row it drafted last round has unseen: a one-off that a policy must not take for the cost
     # of drafting (sched/adaptive.py)
     caught_up: int = 0
+    # rows a hybrid drafter's lookup drafted (no draft-model step; judged on their own: sched/adaptive.py)
+    looked: list[bool] | None = None
 
 
 class Drafter(Protocol):

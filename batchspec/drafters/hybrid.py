@@ -203,7 +203,8 @@ class HybridDrafter:
                                   device=device) if gamma else None
         if not rows:
             self._round = (start, 0.0, decided)
-            return DraftProposal(tokens, None, [len(f) for f in found], confidence=confidence)
+            return DraftProposal(tokens, None, [len(f) for f in found], confidence=confidence,
+                                 looked=[bool(f) for f in found])
         # what a row's catch-up (its prompt, or a stretch the lookup drafted) costs serves the rounds
         # the model drafts for it from now on: the gate charges this round the share a plan does
         # (`AdaptivePolicy.catch_up_share`) and leaves the rest of it out, pro rata of the tokens
@@ -233,7 +234,8 @@ class HybridDrafter:
         for i, c in zip(rows, drafted.lengths or sub_caps):  # (the model may cut a row short)
             lengths[i] = c
         self._round = (start, (time.perf_counter() - model_start) * spared / (drafting + sum(behind)), decided)
-        return DraftProposal(tokens, probs, lengths, confidence=confidence, caught_up=drafted.caught_up)
+        return DraftProposal(tokens, probs, lengths, confidence=confidence, caught_up=drafted.caught_up,
+                             looked=[bool(f) for f in found])
 
     def observe(self, reqs: list[Request], accepted: list[int]) -> None:
         rows, self._model_rows = self._model_rows, []

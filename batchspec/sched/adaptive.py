@@ -61,7 +61,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .tetris import best_budget, cumulative, select
+from .standing import StandingGate
+from .tetris import best_budget, cumulative, rate_of, select
 
 
 def _lerp(x: float, x0: float, x1: float, y0: float, y1: float) -> float:
@@ -370,6 +371,10 @@ class AdaptivePolicy:
            under the budget that maximises expected tokens per second (the draft time is spent
            by then), or under a fixed `budget` of verified drafts per round.
 
+    Where planning costs more than it earns (at batch 1: a plan has little to choose and costs ~3 %
+    of a round), most rounds skip both and run at a *standing length*, as fixed γ would
+    (`standing`, sched/standing.py; each plan rates its lengths against that one: `_edge`).
+
     `packed`: the target's forward computes only real tokens (core/forward.py), so a verify pass
     costs by the tokens it verifies, not by rows x the longest; without it a row's shorter draft
     saves nothing in the pass and the cost counts the longest row. With `cost` None (a fixed
@@ -414,6 +419,8 @@ class AdaptivePolicy:
     own_strength: float = 8.0  # how many later drafts the pair's rate weighs in a request's (`later_factors`)
     _observed: int = field(default=0, repr=False)  # rounds observed (what `later_rates` rests on moved)
     _later_cache: dict = field(default_factory=dict, repr=False)
+    standing: StandingGate = field(default_factory=StandingGate, repr=False)  # planned or standing rounds
+    _rated: tuple | None = field(default=None, repr=False)  # what the last plan weighed (`_edge`)
 
     def alpha(self, first_accepted: int, first_drafted: int, looked: bool = False) -> float:
         """A row's first-draft acceptance: its own record, shrunk toward the pair's running rate,
@@ -680,7 +687,28 @@ class AdaptivePolicy:
             self._memo = [key, 0, blocked, settled]
         self.last = {"rows": b, "draft_s": self.draft_s(b, self._fed(lengths, first_fed)),
                      "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
+        if self.budget is None and not any(held or ()) and (standing := self.standing.to_rate(b)) is not None:
+            self.standing.rated(b, self._edge(lengths, standing))
         return lengths
+
+    def _edge(self, lengths: list[int], standing: int) -> float:
+        """What the plan's `lengths` are worth over every row at min(cap, standing) (`sched/
+        standing.py`), relative, by the rates and costs the plan just weighed: a speculative round
+        at its predicted tokens per second over the margin and the guard's penalty (what it must
+        beat plain decoding by to be chosen), a plain one at plain decoding's."""
+        gains, seconds, tokens, first_fed, caps = self._rated
+        b = len(caps)
+        plain, spec = tokens / self.cost.verify(b, 1), self.margin * self.guard.penalty(b)
+
+        def value(ls: list[int]) -> float:
+            return rate_of(gains, seconds, tokens, ls, first_fed) / spec if any(ls) else plain
+
+        return max(0.0, value(lengths) / value([min(c, standing) for c in caps]) - 1.0)
+
+    def stood(self) -> None:
+        """This round runs at the standing length (`sched/standing.py`): no decision to record, and
+        `observe` learns its acceptance but corrects no cost by it (nothing was predicted)."""
+        self.last = {}
 
     def plain(self, rows: int) -> list[int]:
         """A plain round, recorded as the decision (one is due, or `plain_now` said so: the caller
@@ -771,6 +799,7 @@ class AdaptivePolicy:
         # a speculative round is planned again next round; a plain plan stands a while
         seconds = self.cost.round_seconds(b, self.packed, spec_s=self.replan_s(b) + index_s)
         lengths, rate = best_budget(self._capped(gains, held), seconds, sum(weights), first_fed, held, split_s)
+        self._rated = (gains, seconds, sum(weights), first_fed, caps)  # (for `plan`'s rating of L)
         if any(held or ()):  # no plain round to weigh it against
             return lengths, False
         plain_rate = self.margin * sum(weights) / self.cost.verify(b, 1)
@@ -915,8 +944,8 @@ class AdaptivePolicy:
         draft stage's seconds and the rest of the round's (the verify pass and everything around
         it: what the decision between a plain and a speculative round has to weigh); caught_up:
         the draft model first fed what it had missed (`DraftProposal.caught_up`); timed False: the
-        pass also prefilled prompts (`decode/round.py`), its seconds say nothing of the costs;
-        looked[i]: a hybrid drafter's lookup drafted row i (its record is the lookup's)."""
+        pass also prefilled prompts (`decode/round.py`), its seconds say nothing of the costs, or
+        the round ran at the standing length (`stood`: nothing was predicted); looked[i]: a hybrid drafter's lookup drafted row i (its record is the lookup's)."""
         self._observed += 1
         for positions in self._positions.values():
             while len(positions) < self.gamma_max:

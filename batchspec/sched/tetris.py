@@ -112,3 +112,24 @@ def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[f
     for _, i, _ in order[:best_total]:
         lengths[i] += 1
     return lengths, best_rate
+
+
+def rate_of(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[float]], float], base_tokens: float,
+            lengths: Sequence[int], first_fed: Sequence[float] | None = None) -> float:
+    """What `best_budget` rates given lengths at: (base_tokens + each row's first lengths[i]
+    gains) / seconds(total, fed), fed as there (row i feeds first_fed[i] at depth 0, 1 below;
+    0: no draft step feeds it).
+
+    Example: gains [[0.9, 0.72], [0.5]], lengths [2, 1], seconds = 1 + total / 10: (2 + 0.9 +
+    0.72 + 0.5) / 1.3 = 3.17."""
+    fed: list[float] = []
+    for i, n in enumerate(lengths):
+        for j in range(n):
+            if j == len(fed):
+                fed.append(0)
+            if first_fed is None:
+                fed[j] += 1
+            elif first_fed[i] > 0:
+                fed[j] += first_fed[i] if j == 0 else 1
+    tokens = base_tokens + sum(sum(g[:n]) for g, n in zip(gains, lengths))
+    return tokens / seconds(sum(lengths), fed)

@@ -1,0 +1,133 @@
+"""Planned or standing rounds (sched/standing.py; decode/round.py; AdaptivePolicy._edge)."""
+
+from __future__ import annotations
+
+import pytest
+from tiny import pair, prompts, references
+
+from batchspec import EngineConfig, SamplingParams, SpecEngine
+from batchspec.sched.adaptive import AdaptivePolicy, CostModel
+from batchspec.sched.standing import StandingGate
+
+
+def planned(gate: StandingGate, rounds: int, edge: float, lengths: list[int], rows: int = 1,
+            host_s: float = 0.5e-3, seconds: float = 5e-3) -> None:
+    """`rounds` planned rounds, each rated `edge` and verifying `lengths`."""
+    for _ in range(rounds):
+        if gate.to_rate(rows) is not None:
+            gate.rated(rows, edge)
+        gate.record(rows, seconds, host_s, False, lengths)
+
+
+def test_rounds_stand_once_the_plans_edge_is_below_what_planning_costs():
+    """The docstring's example: plans chose 2 (L = 2) and rated themselves 1.5 % above it; after
+    `probe` standing rounds measured 0.36 ms of host time against 0.52 planned, of 5.5 ms rounds
+    (overhead 2.9 %), 7 rounds in 8 stand, the 8th is planned."""
+    gate = StandingGate(block=4, probe=2, replan=8)
+    assert gate.length(1) is None  # nothing planned yet
+    planned(gate, 4, 0.015, [2])  # (the first plan has no L to rate yet)
+    assert gate.length(1) is None and gate.mode(1) == 2  # (fewer than `block` plans rated L)
+    planned(gate, 1, 0.015, [4])
+    assert gate.mode(1) == 2  # (the most frequent)
+    for _ in range(2):  # probing: standing rounds' host time is not known yet
+        assert gate.length(1) == 2
+        gate.record(1, 5.3e-3, 0.36e-3, True, [2])
+    for _ in range(4):
+        planned(gate, 1, 0.015, [2], host_s=0.52e-3, seconds=5.5e-3)
+    assert 0.015 < gate.overhead(1) < 0.04
+    kinds = []
+    for _ in range(16):
+        n = gate.length(1)
+        kinds.append(n)
+        if n is None:
+            planned(gate, 1, 0.015, [2], host_s=0.52e-3, seconds=5.5e-3)
+        else:
+            gate.record(1, 5.3e-3, 0.36e-3, True, [n])
+    assert kinds == ([2] * 7 + [None]) * 2
+
+
+def test_plans_that_earn_their_cost_are_kept():
+    """Rated 10 % above the standing length, with planning 3 % of a round: every round planned;
+    and no standing round is ever probed where the plans' edge exceeds `probe_edge`."""
+    gate = StandingGate(block=4, probe=2)
+    planned(gate, 5, 0.05, [2])
+    for _ in range(2):  # probing (5 % < probe_edge)
+        assert gate.length(1) == 2
+        gate.record(1, 5e-3, 0.35e-3, True, [2])
+    planned(gate, 60, 0.10, [2], host_s=0.5e-3, seconds=5e-3)
+    assert gate.overhead(1) == pytest.approx(0.03) and gate.summary()["<2"]["edge"] > 0.08
+    assert gate.length(1) is None
+    wide = StandingGate(block=4, probe_edge=0.1)
+    planned(wide, 8, 0.3, [1, 3, 0, 3], rows=4)
+    assert wide.length(4) is None and wide.summary()["<8"]["rounds"] == [8, 0]
+
+
+def test_plain_plans_give_no_standing_length_and_batch_sizes_are_apart():
+    gate = StandingGate(block=2)
+    planned(gate, 10, 0.0, [0] * 32, rows=32)
+    assert gate.mode(32) is None and gate.length(32) is None
+    planned(gate, 10, 0.0, [3], rows=1)
+    assert gate.mode(1) == 3 and gate.mode(32) is None
+
+
+def test_old_lengths_count_less():
+    gate = StandingGate(block=1, memory=8)
+    planned(gate, 6, 0.0, [4])
+    planned(gate, 4, 0.0, [2])  # 10 > 8: halved to {4: 3, 2: 2}, then ...
+    assert gate.mode(1) == 4
+    planned(gate, 2, 0.0, [2])
+    assert gate.mode(1) == 2
+
+
+def cost() -> CostModel:
+    return CostModel(rows=(1, 8), cols=(1, 2, 3, 4),
+                     verify_s={(1, 1): 0.010, (1, 2): 0.0105, (1, 3): 0.011, (1, 4): 0.0115,
+                               (8, 1): 0.020, (8, 2): 0.030, (8, 3): 0.040, (8, 4): 0.050},
+                     draft_s={1: 0.001, 8: 0.002})
+
+
+def test_a_plan_rates_its_lengths_against_the_standing_ones():
+    """One row, rates 0.9 then 0.8: the plan verifies 4 (the 4th draft still pays at 0.5 ms a
+    column); at the standing length 2 the round makes 1 + 0.9 + 0.72 tokens where the plan's
+    makes 1 + 0.9 + 0.72 + 0.576 + 0.461: the edge is the ratio of the two rates, both over the
+    margin. Standing at 4 rates the same as the plan: edge 0."""
+    policy = AdaptivePolicy(cost(), gamma_max=4, prior=0.8, optimism=0.0, margin=1.05)
+    policy._positions[False] = [[90.0, 100.0], [80.0, 100.0], [80.0, 100.0], [80.0, 100.0]]
+    policy.standing.block = 1
+    rated = []
+    policy.standing.rated = lambda rows, edge: rated.append(edge)
+    policy.standing.to_rate = lambda rows: None
+    lengths = policy.plan([0.9], [4])
+    assert lengths == [4]
+    gains, seconds, tokens, first_fed, caps = policy._rated
+    assert gains[0][0] == 0.9 and gains[0][1] == pytest.approx(0.72, abs=0.01)  # (later rates ~0.8)
+    plan_rate = (1 + sum(gains[0])) / seconds(4, [1, 1, 1, 1])
+    stand_rate = (1 + sum(gains[0][:2])) / seconds(2, [1, 1])
+    assert policy._edge(lengths, 2) == pytest.approx(plan_rate / stand_rate - 1)
+    assert policy._edge(lengths, 4) == 0.0
+    # a plain plan against standing drafts: plain decoding's rate over theirs, over the margin
+    assert policy._edge([0], 2) == pytest.approx(max(0.0, (1 / cost().verify(1, 1)) / (stand_rate / 1.05) - 1))
+    policy.standing.to_rate = lambda rows: 2
+    policy.plan([0.9], [4])
+    assert rated == [pytest.approx(plan_rate / stand_rate - 1)]
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "hybrid", "suffix"])
+def test_standing_rounds_stay_exact_and_skip_the_plan(drafter):
+    """Rounds at a standing length (here forced: every round; no prompt joins a round)
+    verify min(cap, L) drafts with no plan and no prune, and greedy output stays exact; a
+    hybrid's lookup rows are recorded as the lookup's."""
+    p = pair("llama", "perturbed")
+    ids = [x[:10] * 4 for x in prompts(8, seed=5)]  # (text that repeats: the lookups find copies)
+    refs = references(p, ids, 20)
+    engine = SpecEngine(p, EngineConfig(drafter=drafter, batch_size=4, gamma=4, fuse_prefill=False, debug=True))
+    policy = engine.policy
+    policy.standing.length = lambda rows: 2
+    policy.plan = policy.prune = lambda *a, **k: pytest.fail("a standing round was planned")
+    outs = engine.generate(ids, SamplingParams(max_new_tokens=20))
+    assert [o.token_ids for o in outs] == refs
+    stats = engine.stats
+    assert stats.standing_rounds > 0 and max(stats.gamma_hist) <= 2
+    assert stats.summary()["adaptive"]["standing_share"] == stats.standing_rounds / stats.rounds
+    looked = sum(reached for _, reached in policy._positions[True])  # lookup drafts, recorded apart
+    assert (looked > 0) == (drafter == "hybrid")
