@@ -94,22 +94,23 @@ def test_a_plan_rates_its_lengths_against_the_standing_ones():
     policy = AdaptivePolicy(cost(), gamma_max=4, prior=0.8, optimism=0.0, margin=1.05)
     policy._positions[False] = [[90.0, 100.0], [80.0, 100.0], [80.0, 100.0], [80.0, 100.0]]
     policy.standing.block = 1
-    rated = []
-    policy.standing.rated = lambda rows, edge: rated.append(edge)
+    edges = []
+    policy.standing.rated = lambda rows, edge: edges.append(edge)
     policy.standing.to_rate = lambda rows: None
     lengths = policy.plan([0.9], [4])
     assert lengths == [4]
-    gains, seconds, tokens, first_fed, caps = policy._rated
+    rated = policy._rated
+    gains, seconds, tokens, first_fed, caps = rated
     assert gains[0][0] == 0.9 and gains[0][1] == pytest.approx(0.72, abs=0.01)  # (later rates ~0.8)
     plan_rate = (1 + sum(gains[0])) / seconds(4, [1, 1, 1, 1])
     stand_rate = (1 + sum(gains[0][:2])) / seconds(2, [1, 1])
-    assert policy._edge(lengths, 2) == pytest.approx(plan_rate / stand_rate - 1)
-    assert policy._edge(lengths, 4) == 0.0
+    assert policy._edge(lengths, 2, rated) == pytest.approx(plan_rate / stand_rate - 1)
+    assert policy._edge(lengths, 4, rated) == 0.0
     # a plain plan against standing drafts: plain decoding's rate over theirs, over the margin
-    assert policy._edge([0], 2) == pytest.approx(max(0.0, (1 / cost().verify(1, 1)) / (stand_rate / 1.05) - 1))
+    assert policy._edge([0], 2, rated) == pytest.approx(max(0.0, (1 / cost().verify(1, 1)) / (stand_rate / 1.05) - 1))
     policy.standing.to_rate = lambda rows: 2
     policy.plan([0.9], [4])
-    assert rated == [pytest.approx(plan_rate / stand_rate - 1)]
+    assert edges == [pytest.approx(plan_rate / stand_rate - 1)]
 
 
 @pytest.mark.parametrize("drafter", ["draft_model", "hybrid", "suffix"])
@@ -131,3 +132,26 @@ def test_standing_rounds_stay_exact_and_skip_the_plan(drafter):
     assert stats.summary()["adaptive"]["standing_share"] == stats.standing_rounds / stats.rounds
     looked = sum(reached for _, reached in policy._positions[True])  # lookup drafts, recorded apart
     assert (looked > 0) == (drafter == "hybrid")
+
+
+def test_a_plain_plan_is_rated_by_what_it_weighed_not_by_free_drafts():
+    """A plain plan for known requests also asks whether free drafts would pay (`plan`'s settled
+    check): the standing length is rated against the drafts as priced (a draft step, a catch-up),
+    not as free ones."""
+    policy = AdaptivePolicy(cost(), gamma_max=4, prior=0.5, optimism=0.0, margin=1.05)
+    edges = []
+    policy.standing.rated = lambda rows, edge: edges.append(edge)
+    policy.standing.to_rate = lambda rows: 2
+    weighed = []
+    best = policy._best_lengths
+
+    def spy(*args):
+        out = best(*args)
+        weighed.append(policy._rated)
+        return out
+
+    policy._best_lengths = spy
+    assert policy.plan([0.1], [4], first_fed=[20.0], key=("a",)) == [0]
+    assert len(weighed) == 2 and weighed[1][3] == [0.0]  # (the check with free drafts ran last)
+    assert edges == [pytest.approx(policy._edge([0], 2, weighed[0]))]
+    assert edges[0] > policy._edge([0], 2, weighed[1])  # (priced, L's drafts are worth less)

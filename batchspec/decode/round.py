@@ -79,8 +79,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         held = [n if r.params.seed is not None and not r.params.greedy else 0 for r, n in zip(batch, lengths)]
         held = held if any(held) else None
     # a round at the standing length: as fixed γ = L would run it, nothing planned or pruned, where
-    # such rounds made tokens faster than planned ones (sched/standing.py; never with a fixed
-    # budget, held rows or a prompt joining)
+    # a plan would not earn the host time it costs (sched/standing.py; never with a fixed budget,
+    # held rows or a prompt joining)
     stand = None
     if policy is not None and held is None and not fused and policy.cost is not None and policy.budget is None:
         stand = policy.standing.length(len(batch))

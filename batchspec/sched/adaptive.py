@@ -673,6 +673,7 @@ class AdaptivePolicy:
             return self.plain(b)
         lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed, held, index_s, split_s, factors,
                                               looked, confidence)
+        rated = self._rated  # (what this decision weighed: a check below weighs free drafts)
         if blocked:
             self.guard.kept_plain(b)
         memo, self._memo = self._memo, None
@@ -688,15 +689,16 @@ class AdaptivePolicy:
         self.last = {"rows": b, "draft_s": self.draft_s(b, self._fed(lengths, first_fed)),
                      "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
         if self.budget is None and not any(held or ()) and (standing := self.standing.to_rate(b)) is not None:
-            self.standing.rated(b, self._edge(lengths, standing))
+            self.standing.rated(b, self._edge(lengths, standing, rated))
         return lengths
 
-    def _edge(self, lengths: list[int], standing: int) -> float:
+    def _edge(self, lengths: list[int], standing: int, rated: tuple) -> float:
         """What the plan's `lengths` are worth over every row at min(cap, standing) (`sched/
-        standing.py`), relative, by the rates and costs the plan just weighed: a speculative round
-        at its predicted tokens per second over the margin and the guard's penalty (what it must
-        beat plain decoding by to be chosen), a plain one at plain decoding's."""
-        gains, seconds, tokens, first_fed, caps = self._rated
+        standing.py`), relative, by the rates and costs the plan weighed (`rated`, from
+        `_best_lengths`): a speculative round at its predicted tokens per second over the margin
+        and the guard's penalty (what it must beat plain decoding by to be chosen), a plain one at
+        plain decoding's."""
+        gains, seconds, tokens, first_fed, caps = rated
         b = len(caps)
         plain, spec = tokens / self.cost.verify(b, 1), self.margin * self.guard.penalty(b)
 
@@ -799,7 +801,7 @@ class AdaptivePolicy:
         # a speculative round is planned again next round; a plain plan stands a while
         seconds = self.cost.round_seconds(b, self.packed, spec_s=self.replan_s(b) + index_s)
         lengths, rate = best_budget(self._capped(gains, held), seconds, sum(weights), first_fed, held, split_s)
-        self._rated = (gains, seconds, sum(weights), first_fed, caps)  # (for `plan`'s rating of L)
+        self._rated = (gains, seconds, sum(weights), first_fed, caps)  # (`plan` rates L by these: `_edge`)
         if any(held or ()):  # no plain round to weigh it against
             return lengths, False
         plain_rate = self.margin * sum(weights) / self.cost.verify(b, 1)
@@ -945,7 +947,8 @@ class AdaptivePolicy:
         it: what the decision between a plain and a speculative round has to weigh); caught_up:
         the draft model first fed what it had missed (`DraftProposal.caught_up`); timed False: the
         pass also prefilled prompts (`decode/round.py`), its seconds say nothing of the costs, or
-        the round ran at the standing length (`stood`: nothing was predicted); looked[i]: a hybrid drafter's lookup drafted row i (its record is the lookup's)."""
+        the round ran at the standing length (`stood`: nothing was predicted); looked[i]: a hybrid
+        drafter's lookup drafted row i (its record is the lookup's)."""
         self._observed += 1
         for positions in self._positions.values():
             while len(positions) < self.gamma_max:

@@ -4,9 +4,10 @@ estimates, the free-draft bound, plan, TETRIS prune) or the round runs at a *sta
 
 Why: a plan costs host time that fixed γ does not spend. At batch 1 on the Xeon the policy's work
 outside the passes is ~0.15-0.2 ms a round of ~5.5 ms, and a one-row plan has little to choose
-from: the adaptive default made 1.25x plain decoding where fixed γ = 2 made 1.31x, and its rounds,
-had they cost no planning, ran as fast as fixed γ's. With 16 rows and more the plan is what keeps
-speculation from losing (fixed γ: 0.87-0.96x there), for ~2 % of a round.
+from: the adaptive default made 1.25x plain decoding where fixed γ = 2 made 1.31x (wave 33), and
+rounds at the plans' usual length, the policy still learning from them, ran within 0.5 % of fixed
+γ = 2 (in-process). With 16 rows and more the plan is what keeps speculation from losing (fixed
+γ: 0.87-0.96x there), for ~2 % of a round.
 
 The choice rests on two numbers that do not need many rounds to measure (a comparison of tokens
 per second between the two kinds of rounds would: a round makes 1 token or 4, and a 4 % difference
