@@ -155,3 +155,15 @@ def test_a_plain_plan_is_rated_by_what_it_weighed_not_by_free_drafts():
     assert len(weighed) == 2 and weighed[1][3] == [0.0]  # (the check with free drafts ran last)
     assert edges == [pytest.approx(policy._edge([0], 2, weighed[0]))]
     assert edges[0] > policy._edge([0], 2, weighed[1])  # (priced, L's drafts are worth less)
+
+
+def test_a_catch_up_is_left_out_of_the_edge():
+    """A row the draft model is far behind on (first_fed 200: a catch-up worth 200 rows of a step)
+    is planned plain, while at the standing length it would catch up now: a one-off that either
+    kind of round pays when it first drafts the row, so the edge rates both as if it were paid
+    (first_fed 1), and standing loses nothing by it here."""
+    policy = AdaptivePolicy(cost(), gamma_max=4, prior=0.8, optimism=0.0, margin=1.05)
+    policy._positions[False] = [[90.0, 100.0], [80.0, 100.0], [80.0, 100.0], [80.0, 100.0]]
+    assert policy.plan([0.9], [4], first_fed=[200.0]) == [0]
+    gains, seconds, tokens, _, caps = policy._rated
+    assert policy._edge([0], 2, policy._rated) == policy._edge([0], 2, (gains, seconds, tokens, [1.0], caps)) == 0.0

@@ -699,6 +699,8 @@ class AdaptivePolicy:
         and the guard's penalty (what it must beat plain decoding by to be chosen), a plain one at
         plain decoding's."""
         gains, seconds, tokens, first_fed, caps = rated
+        if first_fed is not None:  # a catch-up is paid once whichever kind of round drafts the row
+            first_fed = [min(1.0, f) for f in first_fed]  # first: what the rounds are worth after it
         b = len(caps)
         plain, spec = tokens / self.cost.verify(b, 1), self.margin * self.guard.penalty(b)
 
