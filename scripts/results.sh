@@ -302,3 +302,5 @@ issue19_at 1,2,4 wave34_adaptive_1to4
 issue19_8to64 wave34_adaptive_8to64
 drafters_twin wave34
 verify_exact verify_wave34
+# ... and batch 1 alone on the final code (09f396f):
+issue19_at 1 wave34_adaptive_1_final
