@@ -94,12 +94,14 @@ def test_a_plan_rates_its_lengths_against_the_standing_ones():
     policy = AdaptivePolicy(cost(), gamma_max=4, prior=0.8, optimism=0.0, margin=1.05)
     policy._positions[False] = [[90.0, 100.0], [80.0, 100.0], [80.0, 100.0], [80.0, 100.0]]
     policy.standing.block = 1
-    edges = []
+    edges, weighed = [], []
     policy.standing.rated = lambda rows, edge: edges.append(edge)
     policy.standing.to_rate = lambda rows: None
+    best = policy._best_lengths
+    policy._best_lengths = lambda *args: weighed.append(best(*args)) or weighed[-1]
     lengths = policy.plan([0.9], [4])
     assert lengths == [4]
-    rated = policy._rated
+    rated = weighed[-1][2]
     gains, seconds, tokens, first_fed, caps = rated
     assert gains[0][0] == 0.9 and gains[0][1] == pytest.approx(0.72, abs=0.01)  # (later rates ~0.8)
     plan_rate = (1 + sum(gains[0])) / seconds(4, [1, 1, 1, 1])
@@ -147,7 +149,7 @@ def test_a_plain_plan_is_rated_by_what_it_weighed_not_by_free_drafts():
 
     def spy(*args):
         out = best(*args)
-        weighed.append(policy._rated)
+        weighed.append(out[2])
         return out
 
     policy._best_lengths = spy
@@ -164,6 +166,10 @@ def test_a_catch_up_is_left_out_of_the_edge():
     (first_fed 1), and standing loses nothing by it here."""
     policy = AdaptivePolicy(cost(), gamma_max=4, prior=0.8, optimism=0.0, margin=1.05)
     policy._positions[False] = [[90.0, 100.0], [80.0, 100.0], [80.0, 100.0], [80.0, 100.0]]
+    weighed = []
+    best = policy._best_lengths
+    policy._best_lengths = lambda *args: weighed.append(best(*args)) or weighed[-1]
     assert policy.plan([0.9], [4], first_fed=[200.0]) == [0]
-    gains, seconds, tokens, _, caps = policy._rated
-    assert policy._edge([0], 2, policy._rated) == policy._edge([0], 2, (gains, seconds, tokens, [1.0], caps)) == 0.0
+    rated = weighed[-1][2]
+    gains, seconds, tokens, _, caps = rated
+    assert policy._edge([0], 2, rated) == policy._edge([0], 2, (gains, seconds, tokens, [1.0], caps)) == 0.0

@@ -56,7 +56,6 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     """Advance every request of `batch` (in slot order) by one round; counters go to `stats`."""
     started = time.perf_counter()
     gamma, timer, target = engine.gamma, engine.timer, engine.target
-    staged = (timer.totals.get("draft", 0.0), timer.totals.get("verify", 0.0))  # (for the standing gate)
     device = engine.device
     sampling = BatchSampling.of([r.params for r in batch], device)
     u = None if sampling.all_greedy else draw_uniforms([r.generator for r in batch], 2 * gamma + 1, device)
@@ -81,9 +80,10 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     # a round at the standing length: as fixed γ = L would run it, nothing planned or pruned, where
     # a plan would not earn the host time it costs (sched/standing.py; never with a fixed budget,
     # held rows or a prompt joining)
-    stand = None
-    if policy is not None and held is None and not fused and policy.cost is not None and policy.budget is None:
-        stand = policy.standing.length(len(batch))
+    gated = policy is not None and held is None and not fused and policy.cost is not None and policy.budget is None
+    stand = policy.standing.length(len(batch)) if gated else None
+    if gated:  # (the gate weighs a round's host time: all but its draft and verify stages)
+        staged = (timer.totals.get("draft", 0.0), timer.totals.get("verify", 0.0))
     if stand is not None:
         lengths = [min(n, stand) for n in lengths]
         policy.stood()
@@ -237,8 +237,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         if predicted is not None and not fused:
             stats.predicted_s += predicted
             stats.measured_s += rest_s + draft_s
-        if policy.cost is not None and held is None and not fused and policy.budget is None:
-            # host time: all but the draft and verify stages (the lookups and the passes: the same work either way)
+        if gated:  # (the lookups and the passes are the same work either way: host time is the rest)
             totals = timer.totals
             host_s = elapsed - (totals.get("draft", 0.0) - staged[0]) - (totals.get("verify", 0.0) - staged[1])
             policy.standing.record(len(batch), elapsed, host_s, stand is not None, lengths)

@@ -47,7 +47,7 @@ from ..sampling import BatchSampling
 from ..sched.adaptive import AdaptivePolicy
 from .base import DraftProposal
 from .model import DraftModelDrafter
-from .ngram import LookupDrafter
+from .ngram import LookupDrafter, padded
 
 LOOKUP = "suffix"  # what `--drafter hybrid` is built on
 
@@ -187,7 +187,7 @@ class HybridDrafter:
             lookups = [self.lookup.find(r, c) if c > 0 else ([], []) for r, c in zip(reqs, caps)]
         found = [f for f, _ in lookups]
         device = self.model.runner.device
-        tokens = torch.tensor([f + [0] * (gamma - len(f)) for f in found], dtype=torch.long, device=device)
+        tokens = padded(found, gamma, 0, device, torch.long)
         rows = self._model_rows = [i for i, (f, c) in enumerate(zip(found, caps)) if c > 0 and not f]
         # for the gate (see `_round`); after a lookahead the gate has decided already: rows it kept
         # off have no length left, and the model rows left (sampled ones) make a mixed round
@@ -199,8 +199,7 @@ class HybridDrafter:
             rows = self._model_rows = [i for i in rows if not reqs[i].params.greedy]
             decided = None if rows else False
         # q(d_j) of the model's rows (greedy ones: TETRIS), the lookup's `match_confidence` on its own
-        confidence = torch.tensor([conf + [float("nan")] * (gamma - len(conf)) for _, conf in lookups],
-                                  device=device) if gamma else None
+        confidence = padded([conf for _, conf in lookups], gamma, float("nan"), device) if gamma else None
         if not rows:
             self._round = (start, 0.0, decided)
             return DraftProposal(tokens, None, [len(f) for f in found], confidence=confidence,

@@ -96,15 +96,18 @@ def match_confidence(shares: list[float], m: int) -> list[float]:
     return [1.0 - (1.0 - q) * 2.0 / (m + j) for j, q in enumerate(shares)]
 
 
+def padded(rows: list[list], width: int, fill, device, dtype=None) -> torch.Tensor:
+    """Ragged rows as a [B, width] tensor, each filled out with `fill`."""
+    return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=dtype, device=device)
+
+
 def point_proposal(rows: list[list[int]], device, confidence: list[list[float]] | None = None) -> DraftProposal:
     """Ragged rows of proposed tokens as a deterministic proposal: tokens [B, longest row], padded
     with 0 (never verified), q one-hot, lengths the rows' lengths; `confidence` each row's
     `match_confidence` (padded with NaN)."""
     width = max(len(r) for r in rows)
-    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
-    conf = None
-    if confidence is not None and width:
-        conf = torch.tensor([c + [float("nan")] * (width - len(c)) for c in confidence], device=device)
+    tokens = padded(rows, width, 0, device, torch.long)
+    conf = padded(confidence, width, float("nan"), device) if confidence is not None and width else None
     return DraftProposal(tokens, None, [len(r) for r in rows], confidence=conf)
 
 

@@ -420,7 +420,6 @@ class AdaptivePolicy:
     _observed: int = field(default=0, repr=False)  # rounds observed (what `later_rates` rests on moved)
     _later_cache: dict = field(default_factory=dict, repr=False)
     standing: StandingGate = field(default_factory=StandingGate, repr=False)  # planned or standing rounds
-    _rated: tuple | None = field(default=None, repr=False)  # what the last plan weighed (`_edge`)
 
     def alpha(self, first_accepted: int, first_drafted: int, looked: bool = False) -> float:
         """A row's first-draft acceptance: its own record, shrunk toward the pair's running rate,
@@ -671,9 +670,8 @@ class AdaptivePolicy:
             return self.plain(b)
         if self.guard.plain_due(b) and not any(held or ()):
             return self.plain(b)
-        lengths, blocked = self._best_lengths(alphas, caps, weights, first_fed, held, index_s, split_s, factors,
-                                              looked, confidence)
-        rated = self._rated  # (what this decision weighed: a check below weighs free drafts)
+        lengths, blocked, rated = self._best_lengths(alphas, caps, weights, first_fed, held, index_s, split_s,
+                                                     factors, looked, confidence)
         if blocked:
             self.guard.kept_plain(b)
         memo, self._memo = self._memo, None
@@ -694,10 +692,10 @@ class AdaptivePolicy:
 
     def _edge(self, lengths: list[int], standing: int, rated: tuple) -> float:
         """What the plan's `lengths` are worth over every row at min(cap, standing) (`sched/
-        standing.py`), relative, by the rates and costs the plan weighed (`rated`, from
-        `_best_lengths`): a speculative round at its predicted tokens per second over the margin
-        and the guard's penalty (what it must beat plain decoding by to be chosen), a plain one at
-        plain decoding's."""
+        standing.py`), relative, by the rates and costs the plan weighed (`rated`: `_best_lengths`'s
+        gains, seconds, base tokens, first_fed and caps): a speculative round at its predicted
+        tokens per second over the margin and the guard's penalty (what it must beat plain decoding
+        by to be chosen), a plain one at plain decoding's."""
         gains, seconds, tokens, first_fed, caps = rated
         if first_fed is not None:  # a catch-up is paid once whichever kind of round drafts the row
             first_fed = [min(1.0, f) for f in first_fed]  # first: what the rounds are worth after it
@@ -785,33 +783,40 @@ class AdaptivePolicy:
                       first_fed: list[float] | None, held: list[int] | None = None,
                       index_s: float = 0.0, split_s: list[float] | None = None,
                       factors: list[float] | None = None, looked: list[bool] | None = None,
-                      confidence: list[list[float] | None] | None = None) -> tuple[list[int], bool]:
-        """`plan`'s decision, without recording it: the lengths, and whether they are all 0 only
+                      confidence: list[list[float] | None] | None = None) -> tuple[list[int], bool, tuple]:
+        """`plan`'s decision, without recording it: the lengths, whether they are all 0 only
         because of the guard's penalty (a speculative round's predicted time times the penalty:
-        the same factor for every way of speculating, so the best of them stays the best)."""
+        the same factor for every way of speculating, so the best of them stays the best), and
+        what it weighed (gains, seconds, base tokens, first_fed, caps: `_edge`)."""
         weights = weights or [1.0] * len(caps)
-        later = self._later_by(looked)
         scale = self.gain_scale()
-        factors = factors or [1.0] * len(caps)
-        gains = []
-        for i, (a, c, w, f) in enumerate(zip(alphas, caps, weights, factors)):
-            rates = self._rates(a, later[bool(looked and looked[i])], c, f)
-            if confidence is not None and confidence[i] is not None:
-                rates = self._calibration(looked, i).rates(confidence[i], rates)
-            gains.append(self._gains(rates, w, scale))
+        gains = [self._gains(rates, w, scale)
+                 for rates, w in zip(self._row_rates(alphas, caps, factors, looked, confidence), weights)]
         b = len(caps)
         # a speculative round is planned again next round; a plain plan stands a while
         seconds = self.cost.round_seconds(b, self.packed, spec_s=self.replan_s(b) + index_s)
         lengths, rate = best_budget(self._capped(gains, held), seconds, sum(weights), first_fed, held, split_s)
-        self._rated = (gains, seconds, sum(weights), first_fed, caps)  # (`plan` rates L by these: `_edge`)
+        rated = (gains, seconds, sum(weights), first_fed, caps)
         if any(held or ()):  # no plain round to weigh it against
-            return lengths, False
+            return lengths, False, rated
         plain_rate = self.margin * sum(weights) / self.cost.verify(b, 1)
         if rate < plain_rate:
-            return [0] * b, False
+            return [0] * b, False, rated
         if rate < plain_rate * self.guard.penalty(b) and not self.guard.exploring(b):
-            return [0] * b, True
-        return lengths, False
+            return [0] * b, True, rated
+        return lengths, False, rated
+
+    def _row_rates(self, alphas: list[float], lengths: list[int], factors: list[float] | None,
+                   looked: list[bool] | None, confidence: list[list[float] | None] | None) -> list[list[float]]:
+        """Each row's acceptance rates for its first lengths[i] drafts: its α, the later rates of
+        its source times its factor, calibrated by each draft's confidence where known."""
+        later, out = self._later_by(looked), []
+        for i, (a, n) in enumerate(zip(alphas, lengths)):
+            rates = self._rates(a, later[bool(looked and looked[i])], n, factors[i] if factors else 1.0)
+            if confidence is not None and confidence[i] is not None:
+                rates = self._calibration(looked, i).rates(confidence[i], rates)
+            out.append(rates)
+        return out
 
     def prune(self, alphas: list[float], lengths: list[int], confidence: list[list[float] | None] | None,
               draft_spent_s: float, weights: list[float] | None = None, held: list[int] | None = None,
@@ -825,14 +830,10 @@ class AdaptivePolicy:
         round influences. weights, held, factors and looked as in `plan` (a fixed `budget` counts
         held drafts first, and is exceeded only by them)."""
         weights = weights or [1.0] * len(lengths)
-        later = self._later_by(looked)
-        gains, expected, scale = [], [], self.gain_scale()
-        for i, (a, n) in enumerate(zip(alphas, lengths)):
-            rates = self._rates(a, later[bool(looked and looked[i])], n, factors[i] if factors else 1.0)
-            if confidence is not None and confidence[i] is not None:
-                rates = self._calibration(looked, i).rates(confidence[i], rates)
-            expected.append(cumulative(rates))
-            gains.append(self._gains(rates, weights[i], scale))
+        scale = self.gain_scale()
+        rows = self._row_rates(alphas, lengths, factors, looked, confidence)
+        expected = [cumulative(rates) for rates in rows]
+        gains = [self._gains(rates, w, scale) for rates, w in zip(rows, weights)]
         b = len(lengths)
         if self.cost is None:
             return select(gains, self.budget, held)
@@ -901,8 +902,8 @@ class AdaptivePolicy:
         if self.cost is None or any(held or ()):
             return True
         b = len(caps)
-        lengths, blocked = self._best_lengths(alphas, caps, weights, [0.0] * b, held, index_s, split_s, factors,
-                                              looked)
+        lengths, blocked, _ = self._best_lengths(alphas, caps, weights, [0.0] * b, held, index_s, split_s,
+                                                 factors, looked)
         if any(lengths):
             return True
         if key is not None:
