@@ -7,7 +7,7 @@ from tiny import pair, prompts, references
 
 from batchspec import EngineConfig, SamplingParams, SpecEngine
 from batchspec.sched.adaptive import AdaptivePolicy, CostModel
-from batchspec.sched.standing import StandingGate
+from batchspec.sched.standing import Standing, StandingGate
 
 
 def planned(gate: StandingGate, rounds: int, edge: float, lengths: list[int], rows: int = 1,
@@ -30,7 +30,7 @@ def test_rounds_stand_once_the_plans_edge_is_below_what_planning_costs():
     planned(gate, 1, 0.015, [4])
     assert gate.mode(1) == 2  # (the most frequent)
     for _ in range(2):  # probing: standing rounds' host time is not known yet
-        assert gate.length(1) == 2
+        assert gate.length(1) == Standing(2)
         gate.record(1, 5.3e-3, 0.36e-3, True, [2])
     for _ in range(4):
         planned(gate, 1, 0.015, [2], host_s=0.52e-3, seconds=5.5e-3)
@@ -42,8 +42,8 @@ def test_rounds_stand_once_the_plans_edge_is_below_what_planning_costs():
         if n is None:
             planned(gate, 1, 0.015, [2], host_s=0.52e-3, seconds=5.5e-3)
         else:
-            gate.record(1, 5.3e-3, 0.36e-3, True, [n])
-    assert kinds == ([2] * 7 + [None]) * 2
+            gate.record(1, 5.3e-3, 0.36e-3, True, n.lengths([4]))
+    assert kinds == ([Standing(2)] * 7 + [None]) * 2
 
 
 def test_plans_that_earn_their_cost_are_kept():
@@ -52,7 +52,7 @@ def test_plans_that_earn_their_cost_are_kept():
     gate = StandingGate(block=4, probe=2)
     planned(gate, 5, 0.05, [2])
     for _ in range(2):  # probing (5 % < probe_edge)
-        assert gate.length(1) == 2
+        assert gate.length(1) == Standing(2)
         gate.record(1, 5e-3, 0.35e-3, True, [2])
     planned(gate, 60, 0.10, [2], host_s=0.5e-3, seconds=5e-3)
     assert gate.overhead(1) == pytest.approx(0.03) and gate.summary()["<2"]["edge"] > 0.08
@@ -79,6 +79,26 @@ def test_old_lengths_count_less():
     assert gate.mode(1) == 2
 
 
+def test_a_hybrids_rows_have_a_standing_length_per_source():
+    """A hybrid's rounds: rows its lookup drafted give the lookup's L, rows its draft model could
+    have drafted give the model's, a 0 counted too (at 32 rows plans rarely draft them); rows
+    neither could draft count for nothing. Each row stands at its own source's L, at most its cap."""
+    gate = StandingGate(block=2)
+    sources = [True, True, True, False, False, False, None]
+    planned_hybrid = [6, 8, 8, 0, 0, 2, 0]
+    for _ in range(3):
+        gate.to_rate(7)
+        gate.rated(7, 0.0)
+        gate.record(7, 0.05, 1e-3, False, planned_hybrid, sources)
+    assert gate.mode(7, looked=True) == 8 and gate.mode(7) == 0
+    standing = gate.length(7)
+    assert standing == Standing(0, 8)
+    assert standing.lengths([8, 3, 8, 8], [True, True, False, False]) == [8, 3, 0, 0]
+    gate.record(7, 0.05, 1e-3, False, [0] * 7, sources)  # (a plain round says nothing of lengths)
+    assert gate.length(7) == Standing(0, 8)
+    assert StandingGate(block=1).standing(7) is None  # (nothing drafted yet)
+
+
 def cost() -> CostModel:
     return CostModel(rows=(1, 8), cols=(1, 2, 3, 4),
                      verify_s={(1, 1): 0.010, (1, 2): 0.0105, (1, 3): 0.011, (1, 4): 0.0115,
@@ -102,30 +122,32 @@ def test_a_plan_rates_its_lengths_against_the_standing_ones():
     lengths = policy.plan([0.9], [4])
     assert lengths == [4]
     rated = weighed[-1][2]
-    gains, seconds, tokens, first_fed, caps = rated
+    gains, seconds, tokens, first_fed = rated
     assert gains[0][0] == 0.9 and gains[0][1] == pytest.approx(0.72, abs=0.01)  # (later rates ~0.8)
     plan_rate = (1 + sum(gains[0])) / seconds(4, [1, 1, 1, 1])
     stand_rate = (1 + sum(gains[0][:2])) / seconds(2, [1, 1])
-    assert policy._edge(lengths, 2, rated) == pytest.approx(plan_rate / stand_rate - 1)
-    assert policy._edge(lengths, 4, rated) == 0.0
+    assert policy._edge(lengths, [2], rated) == pytest.approx(plan_rate / stand_rate - 1)
+    assert policy._edge(lengths, [4], rated) == 0.0
     # a plain plan against standing drafts: plain decoding's rate over theirs, over the margin
-    assert policy._edge([0], 2, rated) == pytest.approx(max(0.0, (1 / cost().verify(1, 1)) / (stand_rate / 1.05) - 1))
-    policy.standing.to_rate = lambda rows: 2
+    assert policy._edge([0], [2], rated) == pytest.approx(max(0.0, (1 / cost().verify(1, 1)) / (stand_rate / 1.05) - 1))
+    policy.standing.to_rate = lambda rows: Standing(2)
     policy.plan([0.9], [4])
     assert edges == [pytest.approx(plan_rate / stand_rate - 1)]
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "hybrid", "suffix"])
-def test_standing_rounds_stay_exact_and_skip_the_plan(drafter):
+@pytest.mark.parametrize(("drafter", "standing"), [("draft_model", Standing(2)), ("hybrid", Standing(2, 2)),
+                                                   ("hybrid", Standing(0, 2)), ("suffix", Standing(2))])
+def test_standing_rounds_stay_exact_and_skip_the_plan(drafter, standing):
     """Rounds at a standing length (here forced: every round; no prompt joins a round)
     verify min(cap, L) drafts with no plan and no prune, and greedy output stays exact; a
-    hybrid's lookup rows are recorded as the lookup's."""
+    hybrid's lookup rows are recorded as the lookup's, and its draft model drafts only at an L
+    of its own above 0."""
     p = pair("llama", "perturbed")
     ids = [x[:10] * 4 for x in prompts(8, seed=5)]  # (text that repeats: the lookups find copies)
     refs = references(p, ids, 20)
     engine = SpecEngine(p, EngineConfig(drafter=drafter, batch_size=4, gamma=4, fuse_prefill=False, debug=True))
     policy = engine.policy
-    policy.standing.length = lambda rows: 2
+    policy.standing.length = lambda rows: standing
     policy.plan = policy.prune = lambda *a, **k: pytest.fail("a standing round was planned")
     outs = engine.generate(ids, SamplingParams(max_new_tokens=20))
     assert [o.token_ids for o in outs] == refs
@@ -134,6 +156,8 @@ def test_standing_rounds_stay_exact_and_skip_the_plan(drafter):
     assert stats.summary()["adaptive"]["standing_share"] == stats.standing_rounds / stats.rounds
     looked = sum(reached for _, reached in policy._positions[True])  # lookup drafts, recorded apart
     assert (looked > 0) == (drafter == "hybrid")
+    drafted = sum(reached for _, reached in policy._positions[False])  # the draft model's (or suffix's)
+    assert (drafted > 0) == (standing.drafted > 0)
 
 
 def test_a_plain_plan_is_rated_by_what_it_weighed_not_by_free_drafts():
@@ -143,7 +167,7 @@ def test_a_plain_plan_is_rated_by_what_it_weighed_not_by_free_drafts():
     policy = AdaptivePolicy(cost(), gamma_max=4, prior=0.5, optimism=0.0, margin=1.05)
     edges = []
     policy.standing.rated = lambda rows, edge: edges.append(edge)
-    policy.standing.to_rate = lambda rows: 2
+    policy.standing.to_rate = lambda rows: Standing(2)
     weighed = []
     best = policy._best_lengths
 
@@ -155,8 +179,8 @@ def test_a_plain_plan_is_rated_by_what_it_weighed_not_by_free_drafts():
     policy._best_lengths = spy
     assert policy.plan([0.1], [4], first_fed=[20.0], key=("a",)) == [0]
     assert len(weighed) == 2 and weighed[1][3] == [0.0]  # (the check with free drafts ran last)
-    assert edges == [pytest.approx(policy._edge([0], 2, weighed[0]))]
-    assert edges[0] > policy._edge([0], 2, weighed[1])  # (priced, L's drafts are worth less)
+    assert edges == [pytest.approx(policy._edge([0], [2], weighed[0]))]
+    assert edges[0] > policy._edge([0], [2], weighed[1])  # (priced, L's drafts are worth less)
 
 
 def test_a_catch_up_is_left_out_of_the_edge():
@@ -171,5 +195,5 @@ def test_a_catch_up_is_left_out_of_the_edge():
     policy._best_lengths = lambda *args: weighed.append(best(*args)) or weighed[-1]
     assert policy.plan([0.9], [4], first_fed=[200.0]) == [0]
     rated = weighed[-1][2]
-    gains, seconds, tokens, _, caps = rated
-    assert policy._edge([0], 2, rated) == policy._edge([0], 2, (gains, seconds, tokens, [1.0], caps)) == 0.0
+    gains, seconds, tokens, _ = rated
+    assert policy._edge([0], [2], rated) == policy._edge([0], [2], (gains, seconds, tokens, [1.0])) == 0.0

@@ -85,6 +85,17 @@ def test_best_budget_feeds_no_step_for_a_row_a_lookup_drafts():
     assert seen[:6] == [(0, []), (1, [0]), (2, [0, 0]), (3, [1, 0]), (4, [1, 0, 0]), (5, [1, 1, 0])]
 
 
+def test_among_equal_gains_a_row_no_step_feeds_comes_first():
+    """Two rows, one draft each worth 0.5: row 1's lookup drafts it (first_fed 0), row 0 needs a
+    draft step (0.5 s). Taken first, row 1's draft pays on its own (2.5 tokens in 1.1 s against 2 in
+    1); row 0's first, the step made both drafts look worse than none."""
+    def seconds(total, fed):
+        return 1 + 0.1 * total + 0.5 * sum(1 for f in fed if f)
+
+    assert best_budget([[0.5], [0.5]], seconds, 2, first_fed=[1, 0])[0] == [0, 1]
+    assert best_budget([[0.5], [0.5]], seconds, 2, first_fed=[0, 1])[0] == [1, 0]
+
+
 def test_a_row_charged_for_drafting_at_all_drafts_only_if_its_gains_pay_the_charge():
     """row_s[i]: seconds a round is charged once row i verifies any draft (a cohort row's split,
     sched/adaptive.py). A round costs 10 + 1 per draft: without charges the EXAMPLE takes

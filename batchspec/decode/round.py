@@ -84,10 +84,16 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     stand = policy.standing.length(len(batch)) if gated else None
     if gated:  # (the gate weighs a round's host time: all but its draft and verify stages)
         staged = (timer.totals.get("draft", 0.0), timer.totals.get("verify", 0.0))
+    lookups = hasattr(engine.drafter, "lookahead")  # a hybrid: its lookups can run before the plan
     if stand is not None:
-        lengths = [min(n, stand) for n in lengths]
         policy.stood()
         before = dict(timer.totals)
+        if lookups:  # which rows its lookup drafts (L for them), which its draft model (its own L)
+            with timer.stage("draft"):
+                looked = engine.drafter.lookahead(batch, lengths)
+            by_lookup = [bool(f) for f in looked]
+            lengths = [n if f is None else min(n, len(f)) for n, f in zip(lengths, looked)]
+        lengths = stand.lengths(lengths, by_lookup)
     elif policy is not None and held is None and policy.plain_now(key, len(batch), joining=fused):  # plain, due or kept
         lengths = policy.plain(len(batch))
         before = dict(timer.totals)
@@ -113,7 +119,6 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         # even free drafts would pay (`may_speculate`) is asked first, but only after a plain round:
         # after one that verified drafts the answer is yes but for a rare turn, and at batch 1 asking
         # costs as much as the plan, ~1 % of a round
-        lookups = hasattr(engine.drafter, "lookahead")
         ask = not lookups or policy.last_plain is not False
         # a lookup drafter first indexes what it has not seen: a row's own index a one-off priced at
         # the row's share, a shared one at most what finishing requests bring it a round (`intake`)
@@ -240,7 +245,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         if gated:  # (the lookups and the passes are the same work either way: host time is the rest)
             totals = timer.totals
             host_s = elapsed - (totals.get("draft", 0.0) - staged[0]) - (totals.get("verify", 0.0) - staged[1])
-            policy.standing.record(len(batch), elapsed, host_s, stand is not None, lengths)
+            sources = None if looked is None else [True if f else None if f == [] else False for f in looked]
+            policy.standing.record(len(batch), elapsed, host_s, stand is not None, lengths, sources)
             stats.standing_rounds += stand is not None
 
 

@@ -687,25 +687,25 @@ class AdaptivePolicy:
         self.last = {"rows": b, "draft_s": self.draft_s(b, self._fed(lengths, first_fed)),
                      "verify_s": self.verify_s(b, sum(lengths), max(lengths, default=0))}
         if self.budget is None and not any(held or ()) and (standing := self.standing.to_rate(b)) is not None:
-            self.standing.rated(b, self._edge(lengths, standing, rated))
+            self.standing.rated(b, self._edge(lengths, standing.lengths(caps, looked), rated))
         return lengths
 
-    def _edge(self, lengths: list[int], standing: int, rated: tuple) -> float:
-        """What the plan's `lengths` are worth over every row at min(cap, standing) (`sched/
+    def _edge(self, lengths: list[int], standing: list[int], rated: tuple) -> float:
+        """What the plan's `lengths` are worth over the `standing` ones (min(cap, L) per row: `sched/
         standing.py`), relative, by the rates and costs the plan weighed (`rated`: `_best_lengths`'s
-        gains, seconds, base tokens, first_fed and caps): a speculative round at its predicted
+        gains, seconds, base tokens and first_fed): a speculative round at its predicted
         tokens per second over the margin and the guard's penalty (what it must beat plain decoding
         by to be chosen), a plain one at plain decoding's."""
-        gains, seconds, tokens, first_fed, caps = rated
+        gains, seconds, tokens, first_fed = rated
         if first_fed is not None:  # a catch-up is paid once whichever kind of round drafts the row
             first_fed = [min(1.0, f) for f in first_fed]  # first: what the rounds are worth after it
-        b = len(caps)
+        b = len(lengths)
         plain, spec = tokens / self.cost.verify(b, 1), self.margin * self.guard.penalty(b)
 
         def value(ls: list[int]) -> float:
             return rate_of(gains, seconds, tokens, ls, first_fed) / spec if any(ls) else plain
 
-        return max(0.0, value(lengths) / value([min(c, standing) for c in caps]) - 1.0)
+        return max(0.0, value(lengths) / value(standing) - 1.0)
 
     def stood(self) -> None:
         """This round runs at the standing length (`sched/standing.py`): no decision to record, and
@@ -787,7 +787,7 @@ class AdaptivePolicy:
         """`plan`'s decision, without recording it: the lengths, whether they are all 0 only
         because of the guard's penalty (a speculative round's predicted time times the penalty:
         the same factor for every way of speculating, so the best of them stays the best), and
-        what it weighed (gains, seconds, base tokens, first_fed, caps: `_edge`)."""
+        what it weighed (gains, seconds, base tokens, first_fed: `_edge`)."""
         weights = weights or [1.0] * len(caps)
         scale = self.gain_scale()
         gains = [self._gains(rates, w, scale)
@@ -796,7 +796,7 @@ class AdaptivePolicy:
         # a speculative round is planned again next round; a plain plan stands a while
         seconds = self.cost.round_seconds(b, self.packed, spec_s=self.replan_s(b) + index_s)
         lengths, rate = best_budget(self._capped(gains, held), seconds, sum(weights), first_fed, held, split_s)
-        rated = (gains, seconds, sum(weights), first_fed, caps)
+        rated = (gains, seconds, sum(weights), first_fed)
         if any(held or ()):  # no plain round to weigh it against
             return lengths, False, rated
         plain_rate = self.margin * sum(weights) / self.cost.verify(b, 1)

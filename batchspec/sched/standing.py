@@ -20,7 +20,12 @@ drowns in that for hundreds of rounds):
               planned round's seconds.
 
 A round stands while edge < overhead: the plan would not earn what it costs. L is the length the
-plans chose most often for a row that drafted. A planned round still runs every `replan` rounds
+plans chose most often for a row that drafted. A hybrid drafter's rows have one L per source
+(`Standing`): the rows its lookup drafts, and the rows its draft model could draft, whose 0 counts
+too; a standing round runs its lookups first to know which rows are whose. One L for both made
+its draft model draft every row without a match at 24-32 rows, where plans almost never do: the
+edge kept its rounds planned (4-7 % stood where `suffix` stood 30-50 %; echo workload, 1.10-1.14x
+plain decoding where `suffix` made 1.15-1.16x). A planned round still runs every `replan` rounds
 (edge and L stay current); the first standing rounds, `probe` of them, run once `block` plans have
 rated L within `probe_edge` (their host time is not known before).
 
@@ -41,9 +46,23 @@ def _mix(avg: float | None, x: float, n: int, weight: float) -> float:
     return x if avg is None else avg + max(weight, 1.0 / n) * (x - avg)
 
 
+@dataclass(frozen=True)
+class Standing:
+    """A standing round's lengths: `drafted` for a row the drafter drafts (a hybrid's: its draft
+    model), `looked` for a row a hybrid's lookup drafts; each row at most its cap."""
+
+    drafted: int
+    looked: int = 0
+
+    def lengths(self, caps: list[int], looked: list[bool] | None = None) -> list[int]:
+        looked = looked or [False] * len(caps)
+        return [min(c, self.looked if lk else self.drafted) for c, lk in zip(caps, looked)]
+
+
 @dataclass
 class _Bucket:
-    lengths: Counter = field(default_factory=Counter)  # planned rounds: a drafting row's length -> rows
+    # planned rounds: a row's length -> rows, for rows the drafter drafted and rows a hybrid's lookup did
+    lengths: tuple[Counter, Counter] = field(default_factory=lambda: (Counter(), Counter()))
     plans: int = 0  # plans that rated L
     seen: int = 0  # plans
     edge: float | None = None
@@ -69,10 +88,17 @@ class StandingGate:
             b = self._buckets[key] = _Bucket()
         return b
 
-    def mode(self, rows: int) -> int | None:
-        """L: the length plans chose most often for a drafting row (ties: the shorter), or None."""
-        lengths = self._bucket(rows).lengths
+    def mode(self, rows: int, looked: bool = False) -> int | None:
+        """L: the length plans chose most often for a drafting row (ties: the shorter), or None;
+        `looked`: for a row a hybrid's lookup drafted."""
+        lengths = self._bucket(rows).lengths[looked]
         return min(lengths, key=lambda n: (-lengths[n], n)) if lengths else None
+
+    def standing(self, rows: int) -> Standing | None:
+        """The standing lengths at `rows` rows (whether or not rounds stand now), None before any
+        row drafted in a planned round."""
+        drafted, looked = self.mode(rows), self.mode(rows, looked=True)
+        return Standing(drafted or 0, looked or 0) if drafted or looked else None
 
     def overhead(self, rows: int) -> float | None:
         """A planned round's host seconds beyond a standing one's, over its seconds (None: unmeasured)."""
@@ -82,24 +108,24 @@ class StandingGate:
             return None
         return (planned - standing) / b.round_s
 
-    def length(self, rows: int) -> int | None:
-        """This round's standing length at `rows` rows, or None: plan it."""
+    def length(self, rows: int) -> Standing | None:
+        """This round's standing lengths at `rows` rows, or None: plan it."""
         b = self._bucket(rows)
-        if b.plans < self.block or not b.lengths or b.since >= self.replan - 1:
+        if b.plans < self.block or b.since >= self.replan - 1:
             return None
         if b.counts[1] < self.probe:  # standing rounds' host time is not known yet
-            return self.mode(rows) if b.edge < self.probe_edge else None
+            return self.standing(rows) if b.edge < self.probe_edge else None
         overhead = self.overhead(rows)
-        return self.mode(rows) if overhead is not None and b.edge < overhead else None
+        return self.standing(rows) if overhead is not None and b.edge < overhead else None
 
-    def to_rate(self, rows: int) -> int | None:
+    def to_rate(self, rows: int) -> Standing | None:
         """L, if this plan is to rate it (`rated`), else None: the first `block` plans, then every
         `rate_every`-th (rating costs about a tenth of a plan, and the edge moves slowly)."""
         b = self._bucket(rows)
         b.seen += 1
         if b.plans >= self.block and b.seen % self.rate_every:
             return None
-        return self.mode(rows)
+        return self.standing(rows)
 
     def rated(self, rows: int, edge: float) -> None:
         """A plan rated its own lengths `edge` above L's (relative)."""
@@ -107,9 +133,13 @@ class StandingGate:
         b.plans += 1
         b.edge = _mix(b.edge, edge, b.plans, self.weight)
 
-    def record(self, rows: int, seconds: float, host_s: float, stood: bool, lengths: list[int]) -> None:
+    def record(self, rows: int, seconds: float, host_s: float, stood: bool, lengths: list[int],
+               sources: list[bool | None] | None = None) -> None:
         """A round of `rows` rows took `seconds`, `host_s` of them outside the draft and verify
-        stages, at a standing length (`stood`) or planned; row i verified lengths[i] drafts."""
+        stages, at a standing length (`stood`) or planned; row i verified lengths[i] drafts.
+        sources[i], a hybrid's round: True, its lookup drafted row i; False, its draft model could
+        have (a length of 0 counts too: at 32 rows plans draft those rows rarely, while their
+        lookup rows draft most rounds); None, neither could."""
         b = self._bucket(rows)
         side = int(stood)
         b.counts[side] += 1
@@ -119,10 +149,16 @@ class StandingGate:
             return
         b.since = 0
         b.round_s = _mix(b.round_s, seconds, b.counts[0], self.weight)
-        if any(lengths):
-            b.lengths.update(n for n in lengths if n)
-            if b.lengths.total() > self.memory:
-                b.lengths = Counter({n: c // 2 for n, c in b.lengths.items() if c > 1})
+        if not any(lengths):
+            return
+        drafted, looked = b.lengths
+        if sources is None:
+            drafted.update(n for n in lengths if n)
+        else:
+            looked.update(n for n, s in zip(lengths, sources) if s and n)
+            drafted.update(n for n, s in zip(lengths, sources) if s is False)
+        b.lengths = tuple(c if c.total() <= self.memory else Counter({n: k // 2 for n, k in c.items() if k > 1})
+                          for c in b.lengths)
 
     def summary(self) -> dict:
         """Per batch-size bucket (rows below 2^k): planned and standing rounds, L, edge, overhead."""
@@ -130,7 +166,9 @@ class StandingGate:
         for k, b in sorted(self._buckets.items()):
             rows = 1 << (k - 1)
             overhead = self.overhead(rows)
-            out[f"<{1 << k}"] = {"rounds": list(b.counts), "length": self.mode(rows),
+            standing = self.standing(rows)
+            out[f"<{1 << k}"] = {"rounds": list(b.counts), "length": standing and standing.drafted,
+                                 "looked_length": standing and standing.looked,
                                  "edge": None if b.edge is None else round(b.edge, 4),
                                  "overhead": None if overhead is None else round(overhead, 4)}
         return out

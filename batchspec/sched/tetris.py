@@ -31,17 +31,18 @@ def cumulative(rates: Sequence[float]) -> list[float]:
     return out
 
 
-def ranking(gains: Sequence[Sequence[float]], cost: Sequence[float] | None = None) -> list[tuple[float, int, int]]:
+def ranking(gains: Sequence[Sequence[float]], cost: Sequence[float] | None = None,
+            free: Sequence[bool] | None = None) -> list[tuple[float, int, int]]:
     """Every (gain, row, position) in the order TETRIS takes them: largest gain first (per unit of
-    cost[i], row i's price per token, when given), the earlier position first on ties, so every
-    prefix of the ranking is a set of per-row prefixes. Gains never grow along a row (cumulative
-    acceptance), so sorting the flattened batch gives that order: O(C log C) for C drafts."""
-    if cost is None:
-        flat = [(-g, j, i) for i, row in enumerate(gains) for j, g in enumerate(row)]
-    else:
-        flat = [(-g / cost[i], j, i) for i, row in enumerate(gains) for j, g in enumerate(row)]
+    cost[i], row i's price per token, when given), on ties a row no draft step feeds (free[i])
+    first, then the earlier position, so every prefix of the ranking is a set of per-row prefixes.
+    Gains never grow along a row (cumulative acceptance), so sorting the flattened batch gives that
+    order: O(C log C) for C drafts."""
+    cost = cost or [1.0] * len(gains)
+    free = free or [False] * len(gains)
+    flat = [(-g / cost[i], not free[i], j, i) for i, row in enumerate(gains) for j, g in enumerate(row)]
     flat.sort()
-    return [(gains[i][j], i, j) for _, j, i in flat]
+    return [(gains[i][j], i, j) for _, _, j, i in flat]
 
 
 def select(gains: Sequence[Sequence[float]], budget: int, held: Sequence[int] | None = None) -> list[int]:
@@ -99,7 +100,8 @@ def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[f
         draft = max(1e-9, seconds(1, [1.0]) - seconds(0, []))
         scale = [(1.0 if scale is None else scale[i]) * (1.0 + (row_s[i] / draft if n == 0 else 0.0))
                  for i, n in enumerate(lengths)]
-    order = ranking([row[n:] for row, n in zip(gains, lengths)], scale)
+    free = None if first_fed is None else [f == 0 for f in first_fed]  # (first among equals: no step to pay)
+    order = ranking([row[n:] for row, n in zip(gains, lengths)], scale, free)
     best_total, best_rate = 0, tokens / (seconds(start, fed) + charged[0])
     for total, (_, i, j) in enumerate(order, start=1):
         gain = take(i, j + lengths[i])
