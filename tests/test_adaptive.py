@@ -375,6 +375,17 @@ def test_later_drafts_are_counted_per_request():
         assert s.later_accepted <= s.later_reached <= s.drafted - s.first_drafted
 
 
+def test_a_round_counts_into_the_request_record():
+    """`RequestStats.count_drafts`, the examples above (n 4: a 2 -> 2 later drafts reached, 1
+    accepted; a 4 -> 3, 3; a 0 -> 0, 0), the lookup's part counted apart too."""
+    s = RequestStats()
+    for a, looked in ((2, False), (4, True), (0, True)):
+        s.count_drafts(a, 4, looked)
+    assert (s.drafted, s.accepted, s.first_drafted, s.first_accepted) == (12, 6, 3, 2)
+    assert (s.later_reached, s.later_accepted) == (2 + 3 + 0, 1 + 3 + 0)
+    assert (s.looked_up, s.looked_accepted, s.looked_later_reached, s.looked_later_accepted) == (2, 1, 3, 3)
+
+
 def test_rows_with_more_work_left_come_first_when_nothing_waits():
     """Draining, a row's tokens are worth its remaining work: the long row drafts, the nearly
     finished one need not (equal rates, so unweighted they would be treated alike)."""

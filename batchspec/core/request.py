@@ -38,6 +38,21 @@ class RequestStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    def count_drafts(self, a: int, n: int, looked: bool) -> None:
+        """A round in which the request verified n >= 1 drafts and accepted a of them; `looked`: a
+        hybrid drafter's lookup drafted them. (A round verifying none changes none of these.)"""
+        self.drafted += n
+        self.accepted += a
+        self.first_drafted += 1
+        self.first_accepted += a > 0
+        self.later_reached += min(a + 1, n) - 1  # d_2.. reached: the drafts before the first rejected one
+        self.later_accepted += max(0, a - 1)
+        if looked:
+            self.looked_up += 1
+            self.looked_accepted += a > 0
+            self.looked_later_reached += min(a + 1, n) - 1
+            self.looked_later_accepted += max(0, a - 1)
+
 
 @dataclass(eq=False)
 class Request:

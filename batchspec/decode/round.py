@@ -214,21 +214,12 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         made += emitted
         req.stats.rounds += 1
         if gamma > 0:
-            req.stats.drafted += n
-            req.stats.accepted += a
-            req.stats.first_drafted += n > 0
-            req.stats.first_accepted += n > 0 and a > 0
-            req.stats.later_reached += max(0, min(a + 1, n) - 1)  # d_2.. reached: the drafts before accepted
-            req.stats.later_accepted += max(0, a - 1)
-            if by_lookup[i]:  # (the lookup's part, which the policy judges apart: `estimates`)
-                req.stats.looked_up += n > 0
-                req.stats.looked_accepted += n > 0 and a > 0
-                req.stats.looked_later_reached += max(0, min(a + 1, n) - 1)
-                req.stats.looked_later_accepted += max(0, a - 1)
-            stats.drafted += n
-            stats.accepted += a
             stats.accept_hist[a] += 1
             stats.gamma_hist[n] += 1
+            if n:  # (a row that verified nothing moves no count below: plain rounds skip them)
+                req.stats.count_drafts(a, n, by_lookup[i])
+                stats.drafted += n
+                stats.accepted += a
     elapsed = time.perf_counter() - started
     if not fused:  # (a round that also prefilled is no measure of decoding)
         stats.count_round(len(batch), any(lengths), made, elapsed)  # (core/stats.py: round_gain)

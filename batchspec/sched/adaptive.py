@@ -962,7 +962,7 @@ class AdaptivePolicy:
             record[1] += 1
             drafted = sum(1 for n in verified if n) / max(1, len(verified))
             record[0] += max(self.record_weight, 1 / record[1]) * (drafted - record[0])
-        for i, (a, n) in enumerate(zip(accepted, verified)):
+        for i, (a, n) in enumerate(zip(accepted, verified) if any(verified) else ()):
             positions = self._positions[bool(looked and looked[i])]
             for j in range(min(a + 1, n)):  # d_1..d_min(a+1, n) were reached; the first a accepted
                 positions[j][1] += 1
