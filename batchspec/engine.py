@@ -41,7 +41,8 @@ from .drafters import drafter_needs_model, drafter_uses_model, make_drafter, mod
 from .models import ModelPair, context_length
 from .sampling import SamplingParams, make_generator
 from .sched import make_scheduler, plan_prefill
-from .sched.adaptive import AdaptivePolicy, CostModel
+from .sched.adaptive import AdaptivePolicy
+from .sched.cost_model import CostModel
 from .sched.slots import SlotTable, arrange
 
 KV_MEMORY_FRACTION = 0.5  # at most this share of the memory free at start-up, when no --max-kv-tokens is given

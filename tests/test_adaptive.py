@@ -13,7 +13,8 @@ from tiny import pair, prompts, references
 from batchspec import EngineConfig, SamplingParams, SpecEngine
 from batchspec.core.request import RequestStats
 from batchspec.drafters import model_drafter
-from batchspec.sched.adaptive import AdaptivePolicy, Calibration, CostModel
+from batchspec.sched.adaptive import AdaptivePolicy, Calibration
+from batchspec.sched.cost_model import CostModel
 from batchspec.sched.tetris import cumulative
 
 

@@ -6,7 +6,8 @@ import pytest
 from tiny import pair, prompts, references
 
 from batchspec import EngineConfig, SamplingParams, SpecEngine
-from batchspec.sched.adaptive import AdaptivePolicy, CostModel
+from batchspec.sched.adaptive import AdaptivePolicy
+from batchspec.sched.cost_model import CostModel
 from batchspec.sched.standing import Standing, StandingGate
 
 

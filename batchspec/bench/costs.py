@@ -112,7 +112,7 @@ MODEL_FREE_STEP_S = 30e-6  # a model-free drafter's Python work per row per draf
 def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], context: int = 128,
                   forward: str = "auto", repeats: int = 5) -> dict:
     """Seconds of a verify pass at rows x cols and of a draft step at each of `rows`, through the
-    engine's forward, for the adaptive policy (`sched.adaptive.CostModel`), and `token_s`: what a
+    engine's forward, for the adaptive policy (`sched.cost_model.CostModel`), and `token_s`: what a
     pass at the larger rows and the last column saves per token its other rows are not fed (one
     row fed them all, the rest 1 each). The fastest of `repeats` forwards per point, every point
     timed once per sweep (`fastest`); cached per model, device,
