@@ -372,7 +372,7 @@ def test_echo_workload_holds_the_targets_answer():
 def test_model_gate_keeps_the_model_only_while_it_pays():
     """Rounds the model drafts against rounds whose rows without a match go undrafted, in tokens
     per second, each side explored again now and then."""
-    gate = ModelGate(weight=1.0, explore_every=3)
+    gate = ModelGate(weight=1.0, explore_every=3, min_rounds=1)
     assert gate.use()  # nothing measured: try it
     gate.record(tokens=1.8, seconds=0.012, drafted=True)  # 150 tok/s with the model
     assert not gate.use()  # measure the other side
@@ -419,6 +419,36 @@ def test_model_gate_measures_both_sides_alike_before_it_compares_them():
     assert gate.without == [10.0, pytest.approx(0.010)]  # the mean of 14, 8 and 8 ms, not the first alone
     gate.record(tokens=10.0, seconds=0.011, drafted=True)
     assert not gate.pays()  # 10 tokens in 10.25 ms (the 4th round at weight 1/4) against 10 in 10 ms
+
+
+def test_model_gate_measures_a_side_again_afresh():
+    """A side explored again runs `min_rounds` rounds whose mean replaces its stale average, and is
+    judged after them: a model shut out at 100 tok/s (150 without) that now makes 250 comes back,
+    where one round at the average's weight (0.1) would have left it at 115 and the wait doubled;
+    one still at 100 waits twice as long, once its rounds are over. Rounds without it are probed the
+    same way while it pays."""
+    def measured(model: float, without: float) -> ModelGate:
+        gate = ModelGate(weight=0.1, explore_every=4, min_rounds=3)
+        gate.model, gate.without, gate.counts = [model, 1.0], [without, 1.0], [50, 50]
+        return gate
+
+    for now, back in ((250.0, True), (100.0, False)):
+        gate = measured(100.0, 150.0)
+        for _ in range(4):
+            assert not gate.use()
+            gate.skip()
+        for _ in range(3):
+            assert gate.use() and gate.wait == 4
+            gate.record(tokens=now, seconds=1.0, drafted=True)
+        assert gate.model == [pytest.approx(now), 1.0] and gate.pays() == back
+        assert gate.use() == back and gate.wait == (4 if back else 8)
+    gate = measured(250.0, 150.0)
+    gate.used = gate.probe
+    for _ in range(3):  # rounds without it, measured afresh: now 300 tok/s
+        assert not gate.use()
+        gate.skip()
+        gate.record(tokens=300.0, seconds=1.0, drafted=False)
+    assert not gate.pays() and not gate.use() and gate.probe == 4
 
 
 def test_model_gate_compares_with_the_rounds_the_model_would_replace():
