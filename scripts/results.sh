@@ -304,3 +304,11 @@ drafters_twin wave34
 verify_exact verify_wave34
 # ... and batch 1 alone on the final code (09f396f):
 issue19_at 1 wave34_adaptive_1_final
+# Wave 35: a hybrid's rows stand at one length per source (its lookup's, its draft model's);
+# measured on the Intel Xeon:
+drafters_twin wave35
+issue19_8to64 wave35_adaptive_8to64
+issue19_at 1,2,4 wave35_adaptive_1to4
+verify_exact verify_wave35
+# ... and batch 8-64 a second time, on the same code:
+issue19_8to64 wave35_adaptive_8to64_second
