@@ -692,6 +692,35 @@ def test_indexing_that_costs_more_than_speculating_saves_keeps_rounds_plain(draf
     assert not found and set(engine.last_run.gamma_hist) == {0}
 
 
+def test_a_lookahead_is_timed_per_row_it_looks_up(monkeypatch):
+    """`lookahead_s`: 0 until a lookahead ran, then its seconds per row looked up (rows with a
+    cap of 0 are not looked up) times the rows asked about, an exponential average; the lookup's
+    catch-up is not in it (`index_s` prices that)."""
+    hybrid = HybridDrafter(None, NgramDrafter(CPU, 1, 3, 4))
+    assert hybrid.lookahead_s(8) == 0.0
+    clock = iter([1.0, 1.5, 2.0, 2.1])  # lookaheads of 0.5 s over 2 rows, then 0.1 s over 1
+    monkeypatch.setattr(hybrid, "_clock", lambda: next(clock))
+    rows = [request([A, B, C, A, B], 0), request([A, B, C, D, E], 1), request([A, B], 2)]
+    hybrid.lookahead(rows, [3, 3, 0])
+    assert hybrid.lookahead_s(8) == pytest.approx(8 * 0.25)
+    hybrid.lookahead(rows[:1], [3])
+    assert hybrid.lookahead_s(1) == pytest.approx(0.25 + 0.1 * (0.1 - 0.25))
+
+
+def test_lookups_that_cost_more_than_speculating_saves_are_not_made(monkeypatch):
+    """`run_round` charges a hybrid's lookahead (`lookahead_s`, paid whatever the plan then says)
+    to speculating when it asks whether even free drafts would pay: priced at 10 s a lookahead,
+    no lookup runs and every round is plain, output unchanged."""
+    pair, ids, refs = loopy()
+    engine = SpecEngine(pair, EngineConfig(batch_size=3, gamma=4, drafter="hybrid:ngram", adaptive=True))
+    monkeypatch.setattr(type(engine.drafter), "lookahead_s", lambda self, rows: 10.0)
+    found = []
+    find = engine.drafter.lookup.find
+    engine.drafter.lookup.find = lambda req, limit: found.append(1) or find(req, limit)
+    assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))] == refs
+    assert not found and set(engine.last_run.gamma_hist) == {0}
+
+
 @pytest.mark.parametrize("model", [True, False])
 def test_the_hybrid_looks_up_before_the_policy_plans(model):
     """With a policy, the hybrid's lookups run before the plan (`HybridDrafter.lookahead`): a row

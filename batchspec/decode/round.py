@@ -129,7 +129,9 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         if lookups:  # the lookup's drafts are judged by its own record; free drafts are bounded by
             found = policy.estimates([r.stats for r in batch], [True] * len(batch))  # each row's likelier source
             bound = [m < f for m, f in zip(alphas, found[0])]
-        if lookups and ask and not policy.may_speculate(_pick(bound, found[0], alphas), lengths, weights, held, index_s,
+        # (the lookups themselves are paid whatever the plan then says: charged to speculating here)
+        if lookups and ask and not policy.may_speculate(_pick(bound, found[0], alphas), lengths, weights, held,
+                                                        index_s + engine.drafter.lookahead_s(len(batch)),
                                                         split, key=key, factors=_pick(bound, found[1], factors),
                                                         looked=bound):
             lengths = [0] * len(batch)  # not even free drafts would pay: that is the plan (a plain one)
