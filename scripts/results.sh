@@ -312,3 +312,13 @@ issue19_at 1,2,4 wave35_adaptive_1to4
 verify_exact verify_wave35
 # ... and batch 8-64 a second time, on the same code:
 issue19_8to64 wave35_adaptive_8to64_second
+# Wave 36: a hybrid's lookahead priced when the policy asks whether to look up (cfe383b); measured on
+# the Intel Xeon:
+issue19_8to64 wave36_adaptive_8to64
+issue19_at 1,2,4 wave36_adaptive_1to4
+drafters_twin wave36
+verify_exact verify_wave36
+# ... and batch 1 on `plain` again, the four drafters (docs/results/wave36_adaptive_plain_b1_rerun.json):
+#   batchspec bench --methods autoregressive,eqspec --batch-sizes 1 --drafters draft_model,ngram,suffix,hybrid \
+#     --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 2 --gamma 4 --workload plain \
+#     --json docs/results/wave36_adaptive_plain_b1_rerun.json
