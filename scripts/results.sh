@@ -322,3 +322,6 @@ verify_exact verify_wave36
 #   batchspec bench --methods autoregressive,eqspec --batch-sizes 1 --drafters draft_model,ngram,suffix,hybrid \
 #     --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 2 --gamma 4 --workload plain \
 #     --json docs/results/wave36_adaptive_plain_b1_rerun.json
+# ... and batch 1 alone, 2 repeats, no peers (docs/results/wave36_adaptive_1_rerun.json):
+#   batchspec bench --methods autoregressive,eqspec --batch-sizes 1 --gamma 2,4 --drafters hybrid --adaptive off,on \
+#     --twin --num-prompts 64 --max-new-tokens 32 --repeat 2 --json docs/results/wave36_adaptive_1_rerun.json
