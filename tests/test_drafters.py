@@ -694,17 +694,17 @@ def test_indexing_that_costs_more_than_speculating_saves_keeps_rounds_plain(draf
 
 def test_a_lookahead_is_timed_per_row_it_looks_up(monkeypatch):
     """`lookahead_s`: 0 until a lookahead ran, then its seconds per row looked up (rows with a
-    cap of 0 are not looked up) times the rows asked about, an exponential average; the lookup's
-    catch-up is not in it (`index_s` prices that)."""
+    cap of 0 are not looked up, and not charged) times the rows it would look up, an exponential
+    average; the lookup's catch-up is not in it (`index_s` prices that)."""
     hybrid = HybridDrafter(None, NgramDrafter(CPU, 1, 3, 4))
-    assert hybrid.lookahead_s(8) == 0.0
+    assert hybrid.lookahead_s([3] * 8) == 0.0
     clock = iter([1.0, 1.5, 2.0, 2.1])  # lookaheads of 0.5 s over 2 rows, then 0.1 s over 1
     monkeypatch.setattr(hybrid, "_clock", lambda: next(clock))
     rows = [request([A, B, C, A, B], 0), request([A, B, C, D, E], 1), request([A, B], 2)]
     hybrid.lookahead(rows, [3, 3, 0])
-    assert hybrid.lookahead_s(8) == pytest.approx(8 * 0.25)
+    assert hybrid.lookahead_s([3] * 8 + [0]) == pytest.approx(8 * 0.25)
     hybrid.lookahead(rows[:1], [3])
-    assert hybrid.lookahead_s(1) == pytest.approx(0.25 + 0.1 * (0.1 - 0.25))
+    assert hybrid.lookahead_s([3]) == pytest.approx(0.25 + 0.1 * (0.1 - 0.25))
 
 
 def test_lookups_that_cost_more_than_speculating_saves_are_not_made(monkeypatch):
@@ -713,7 +713,7 @@ def test_lookups_that_cost_more_than_speculating_saves_are_not_made(monkeypatch)
     no lookup runs and every round is plain, output unchanged."""
     pair, ids, refs = loopy()
     engine = SpecEngine(pair, EngineConfig(batch_size=3, gamma=4, drafter="hybrid:ngram", adaptive=True))
-    monkeypatch.setattr(type(engine.drafter), "lookahead_s", lambda self, rows: 10.0)
+    monkeypatch.setattr(type(engine.drafter), "lookahead_s", lambda self, caps: 10.0)
     found = []
     find = engine.drafter.lookup.find
     engine.drafter.lookup.find = lambda req, limit: found.append(1) or find(req, limit)

@@ -131,7 +131,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             bound = [m < f for m, f in zip(alphas, found[0])]
         # (the lookups themselves are paid whatever the plan then says: charged to speculating here)
         if lookups and ask and not policy.may_speculate(_pick(bound, found[0], alphas), lengths, weights, held,
-                                                        index_s + engine.drafter.lookahead_s(len(batch)),
+                                                        index_s + engine.drafter.lookahead_s(lengths),
                                                         split, key=key, factors=_pick(bound, found[1], factors),
                                                         looked=bound):
             lengths = [0] * len(batch)  # not even free drafts would pay: that is the plan (a plain one)

@@ -193,13 +193,13 @@ class HybridDrafter:
         return [conf if f else None if c > 0 and (model or not r.params.greedy) else []
                 for (f, conf), c, r in zip(looked, caps, reqs)]
 
-    def lookahead_s(self, rows: int) -> float:
-        """Seconds a `lookahead` over `rows` rows takes beyond the lookup's indexing (which
-        `index_s` prices): per row an exponential average of what lookaheads took, 0 until one
-        ran. Paid whether or not the plan then drafts anything, so a policy charges it to the
+    def lookahead_s(self, caps: list[int]) -> float:
+        """Seconds a `lookahead` with these caps takes beyond the lookup's indexing (which
+        `index_s` prices): per row it looks up (cap > 0) an exponential average of what lookaheads
+        took, 0 until one ran. Paid whether or not the plan then drafts anything, so a policy charges it to the
         speculative round it would look up for (`AdaptivePolicy.may_speculate`). On the Xeon
         40-65 us a row: at batch 1 1.5 % of a plain round (4.3 ms), at 32 rows 1.3 ms, 7 % of one."""
-        return 0.0 if self._row_s is None else self._row_s * rows
+        return 0.0 if self._row_s is None else self._row_s * sum(1 for c in caps if c > 0)
 
     @staticmethod
     def _key(reqs: list[Request]) -> tuple:
