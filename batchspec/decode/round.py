@@ -91,8 +91,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         if lookups:  # which rows its lookup drafts (L for them), which its draft model (its own L)
             with timer.stage("draft"):
                 looked = engine.drafter.lookahead(batch, lengths)
-            by_lookup = [bool(f) for f in looked]
-            lengths = [n if f is None else min(n, len(f)) for n, f in zip(lengths, looked)]
+            by_lookup, lengths = _looked_up(looked, lengths)
         lengths = stand.lengths(lengths, by_lookup)
     elif policy is not None and held is None and policy.plain_now(key, len(batch), joining=fused):  # plain, due or kept
         lengths = policy.plain(len(batch))
@@ -138,9 +137,8 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         elif lookups:
             with timer.stage("draft"):
                 looked = engine.drafter.lookahead(batch, lengths)
-            by_lookup = [bool(f) for f in looked]
+            by_lookup, lengths = _looked_up(looked, lengths)
             alphas, factors = _pick(by_lookup, found[0], alphas), _pick(by_lookup, found[1], factors)
-            lengths = [n if f is None else min(n, len(f)) for n, f in zip(lengths, looked)]
             # what the lookup found is priced by its own confidence (greedy rows, as in `prune`)
             confidence = [f if f and r.params.greedy else None for f, r in zip(looked, batch)]
             held = [min(h, n) for h, n in zip(held, lengths)] if held is not None else None
@@ -241,6 +239,13 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             sources = None if looked is None else [True if f else None if f == [] else False for f in looked]
             policy.standing.record(len(batch), elapsed, host_s, stand is not None, lengths, sources)
             stats.standing_rounds += stand is not None
+
+
+def _looked_up(looked: list[list[float] | None], lengths: list[int]) -> tuple[list[bool], list[int]]:
+    """After a hybrid's `lookahead`: which rows its lookup drafts, and each row's length, a lookup
+    row's at most what the lookup found (looked[i]: its tokens' confidences, None: a draft-model
+    row, []: nothing drafts it)."""
+    return [bool(f) for f in looked], [n if f is None else min(n, len(f)) for n, f in zip(lengths, looked)]
 
 
 def _pick(which: list[bool], yes: list, no: list) -> list:
