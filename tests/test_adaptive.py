@@ -663,6 +663,9 @@ def test_a_catch_up_is_shared_by_the_rounds_the_model_will_draft():
     assert share(req(60, 10, 10, drafted=4)) == pytest.approx(2 / 60)  # plain rounds do not slow it below 2
     assert share(req(60, 30, 10, drafted=10)) == pytest.approx(3 / 60)  # the model drafted all its rounds
     assert share(req(3, 30, 10, drafted=10, looked_up=10)) == 1.0  # never more than the whole catch-up
+    # a hybrid's prior (`HybridDrafter.model_share`): its lookup finds nothing for 1 row in 10
+    assert share(req(60, 30, 10), 0.1) == pytest.approx(1 / 2)  # 20 rounds left, ~2 of them the model's
+    assert share(req(60, 30, 10, drafted=10, looked_up=9), 0.1) == pytest.approx(1 / (20 * 1.1 / 11))
 
 
 def test_drafting_stops_where_the_next_draft_is_not_worth_a_step():

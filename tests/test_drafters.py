@@ -529,7 +529,7 @@ def test_the_gate_charges_a_model_round_its_share_of_the_catch_up(monkeypatch):
     monkeypatch.setattr(hybrid_module.time, "perf_counter", lambda: now[0])
     row = request(range(110))
     row.kv_len["draft"] = 8
-    monkeypatch.setattr(hybrid_module.AdaptivePolicy, "catch_up_share", staticmethod(lambda req: 0.25))
+    monkeypatch.setattr(hybrid_module.AdaptivePolicy, "catch_up_share", staticmethod(lambda req, share=1.0: 0.25))
 
     def model_propose(reqs, gamma, uniforms, sampling, lengths=None):
         now[0] += 1.04
@@ -729,6 +729,22 @@ def test_a_lookahead_is_timed_per_row_it_looks_up(monkeypatch):
     assert hybrid.lookahead_s([3] * 8 + [0]) == pytest.approx(8 * 0.25)
     hybrid.lookahead(rows[:1], [3])
     assert hybrid.lookahead_s([3]) == pytest.approx(0.25 + 0.1 * (0.1 - 0.25))
+
+
+def test_the_model_share_is_the_rows_the_lookup_found_nothing_for():
+    """`model_share`: of the rows a lookahead (or a `propose` without one) looked up, the share
+    its lookup found nothing for, with one such row as a prior; rows with a cap of 0 are not
+    looked up. It prices a new request's catch-up (`AdaptivePolicy.catch_up_share`)."""
+    model = SimpleNamespace(runner=SimpleNamespace(name="draft", device=CPU))  # (never asked to draft here)
+    hybrid = HybridDrafter(model, NgramDrafter(CPU, 1, 3, 4))
+    assert hybrid.model_share() == 1.0
+    hybrid.gate.use = lambda: False
+    rows = [request([A, B, C, A, B], 0), request([A, B, C, D, E], 1), request([A, B], 2)]
+    looked = hybrid.lookahead(rows, [3, 3, 0])
+    assert looked[0] and looked[1] == []  # a match (A, B -> C), none
+    assert hybrid.model_share() == pytest.approx((1 + 1) / (2 + 1))
+    hybrid.propose(rows[:1], 3, None, GREEDY)  # its own lookup: a match
+    assert hybrid.model_share() == pytest.approx((1 + 1) / (3 + 1))
 
 
 def test_lookups_that_cost_more_than_speculating_saves_are_not_made(monkeypatch):

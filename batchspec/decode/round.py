@@ -111,8 +111,9 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
         if engine.draft_runner is not None:  # the draft model first catches up on what it has not seen:
             # a one-off cost that serves the rounds it drafts for the request from now on, so a round
             # is charged its share (`catch_up_share`), priced per token fed (`CostModel.catch_up`)
+            share = engine.drafter.model_share() if lookups else 1.0
             first_fed = [1 + policy.catch_up(len(batch), (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1)
-                                             * policy.catch_up_share(r)) for r in batch]
+                                             * policy.catch_up_share(r, share)) for r in batch]
         # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
         # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py). Whether
         # even free drafts would pay (`may_speculate`) is asked first, but only after a plain round:

@@ -175,6 +175,7 @@ class HybridDrafter:
         # without a match)
         self._found: tuple[tuple, list[tuple[list[int], list[float]]], float, bool | None] | None = None
         self._row_s: float | None = None  # a lookahead's seconds per row looked up (`lookahead_s`)
+        self._rows = [0, 0]  # rows looked up, and those the lookup found nothing for (`model_share`)
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         self.lookup.prefill(reqs, ends)  # the draft model catches up when it first drafts a row
@@ -191,6 +192,7 @@ class HybridDrafter:
             per_row = (self._clock() - start) / rows
             self._row_s = per_row if self._row_s is None else self._row_s + 0.1 * (per_row - self._row_s)
         found = [f[0] for f in looked]
+        self._count(found, caps)
         model = self.gate.use()
         self._round = None
         if not model and any(c > 0 and not f and r.params.greedy for f, c, r in zip(found, caps, reqs)):
@@ -210,6 +212,20 @@ class HybridDrafter:
         40-65 us a row: at batch 1 1.5 % of a plain round (4.3 ms), at 32 rows 1.3 ms, 7 % of one."""
         return 0.0 if self._row_s is None else self._row_s * sum(1 for c in caps if c > 0)
 
+    def _count(self, found: list[list[int]], caps: list[int]) -> None:
+        looked = [f for f, c in zip(found, caps) if c > 0]
+        self._rows[0] += len(looked)
+        self._rows[1] += sum(1 for f in looked if not f)
+        if self._rows[0] > 4096:  # (the older rows count half)
+            self._rows = [n // 2 for n in self._rows]
+
+    def model_share(self) -> float:
+        """The share of rows looked up that the lookup found nothing for, so the draft model's to
+        draft (whether or not the gate then lets it): how many of a request's rounds its catch-up
+        is likely to serve, before the request has a record of its own
+        (`AdaptivePolicy.catch_up_share`); 1 before any lookup."""
+        return (self._rows[1] + 1) / (self._rows[0] + 1)
+
     @staticmethod
     def _key(reqs: list[Request]) -> tuple:
         """The rows and how long each is: lookups from a round that then drafted nothing (a plain
@@ -226,6 +242,7 @@ class HybridDrafter:
             start, skipped = looked[2], looked[3]  # the round began with the lookups
         else:
             lookups = [self.lookup.find(r, c) if c > 0 else ([], []) for r, c in zip(reqs, caps)]
+            self._count([f for f, _ in lookups], caps)
         found = [f for f, _ in lookups]
         device = self.model.runner.device
         tokens = padded(found, gamma, 0, device, torch.long)
@@ -254,7 +271,8 @@ class HybridDrafter:
         name = self.model.runner.name
         drafting = sum(caps[i] for i in rows)
         behind = [max(0, reqs[i].num_tokens - reqs[i].kv_len.get(name, 0) - 2) for i in rows]
-        spared = sum(n * (1.0 - AdaptivePolicy.catch_up_share(reqs[i])) for n, i in zip(behind, rows))
+        share = self.model_share()
+        spared = sum(n * (1.0 - AdaptivePolicy.catch_up_share(reqs[i], share)) for n, i in zip(behind, rows))
         model_start = time.perf_counter()
         sub = [reqs[i] for i in rows]  # a subsequence of a batch in slot order: still in slot order
         sub_caps = [caps[i] for i in rows]

@@ -317,21 +317,29 @@ class AdaptivePolicy:
         return sum((r.num_tokens + r.remaining) / (r.stats.rounds + self.rounds_left(r)) for r in reqs)
 
     @staticmethod
-    def catch_up_share(req) -> float:
+    def catch_up_share(req, model_share: float = 1.0) -> float:
         """The share of the draft model's catch-up on `req` one round is charged. The catch-up
         serves the rounds in which the model drafts for it from now on: the rounds it has left
         (remaining tokens at the tokens per round it has made so far, at least 2) times
-        the share of its speculative rounds that the model drafted rather than a hybrid's lookup
-        (counted from one model round, so a request new to drafting counts all its rounds).
+        the share of its speculative rounds that the model drafted rather than a hybrid's lookup,
+        counted from a prior of one round at `model_share`: for a hybrid the share of rows its
+        lookup found nothing for (`HybridDrafter.model_share`), 1 for a draft model alone.
 
         Example: 60 tokens left at 3 a round = 20 rounds; the lookup drafted 9 of its 10
         speculative rounds, the model's share (1 + 1) / (10 + 1): ~3.6 rounds -> 1/3.6 of the
         catch-up (it was charged 1/30 when every round was taken for the model's: rows the
         lookups serve then caught up over and over for one model round each; echo workload,
-        batch 32: catch-up rounds took 58-90 ms predicted at 12-14)."""
+        batch 32: catch-up rounds took 58-90 ms predicted at 12-14). A request new to drafting
+        is priced by the prior: on the echo workload a hybrid's lookup finds nothing for a small
+        share of rows, so a new request's prompt (~300 tokens, ~11 ms of draft model at batch 1)
+        serves few of its rounds left and is charged that much more. Taken as 1 (every round
+        left), the model caught up 12-15 prompts a run at batch 1 for 2-5 model rounds each
+        (0.13-0.16 s of the 0.2-0.3 s its draft model ran; 4-9 calls a run with the prior).
+
+        Example, the prior 0.1, nothing drafted yet, 60 tokens left at 3 a round: 1/2 of it."""
         s = req.stats
-        model_share = (s.first_drafted - s.looked_up + 1) / (s.first_drafted + 1)
-        return min(1.0, 1.0 / (AdaptivePolicy.rounds_left(req) * model_share))
+        share = (s.first_drafted - s.looked_up + model_share) / (s.first_drafted + 1)
+        return min(1.0, 1.0 / (AdaptivePolicy.rounds_left(req) * max(share, 1e-3)))
 
     def split_s(self, reqs: list, refilling: bool) -> list[float] | None:
         """Seconds a round is charged per row for verifying drafts of that row while it is in a
