@@ -325,3 +325,9 @@ verify_exact verify_wave36
 # ... and batch 1 alone, 2 repeats, no peers (docs/results/wave36_adaptive_1_rerun.json):
 #   batchspec bench --methods autoregressive,eqspec --batch-sizes 1 --gamma 2,4 --drafters hybrid --adaptive off,on \
 #     --twin --num-prompts 64 --max-new-tokens 32 --repeat 2 --json docs/results/wave36_adaptive_1_rerun.json
+# Wave 37: the hybrid's model gate averages over ~33 rounds, and a new request's draft-model catch-up is
+# priced by the share of rows the lookup finds nothing for (aacfb02); measured on the Intel Xeon:
+issue19_at 1,2,4 wave37_adaptive_1to4
+issue19_8to64 wave37_adaptive_8to64
+drafters_twin wave37
+verify_exact verify_wave37
