@@ -334,7 +334,7 @@ class AdaptivePolicy:
         share of rows, so a new request's prompt (~300 tokens, ~11 ms of draft model at batch 1)
         serves few of its rounds left and is charged that much more. Taken as 1 (every round
         left), the model caught up 12-15 prompts a run at batch 1 for 2-5 model rounds each
-        (0.13-0.16 s of the 0.2-0.3 s its draft model ran; 4-9 calls a run with the prior).
+        (0.13-0.16 s of the 0.2-0.3 s its draft model ran); with the prior it ran 4-9 times a run.
 
         Example, the prior 0.1, nothing drafted yet, 60 tokens left at 3 a round: 1/2 of it."""
         s = req.stats
