@@ -331,3 +331,5 @@ issue19_at 1,2,4 wave37_adaptive_1to4
 issue19_8to64 wave37_adaptive_8to64
 drafters_twin wave37
 verify_exact verify_wave37
+# ... and batch 1 a second time, on the same code:
+issue19_at 1 wave37_adaptive_1_second
