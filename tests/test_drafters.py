@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import sys
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -745,6 +746,26 @@ def test_the_model_share_is_the_rows_the_lookup_found_nothing_for():
     assert hybrid.model_share() == pytest.approx((1 + 1) / (2 + 1))
     hybrid.propose(rows[:1], 3, None, GREEDY)  # its own lookup: a match
     assert hybrid.model_share() == pytest.approx((1 + 1) / (3 + 1))
+
+
+def test_the_plan_and_the_gate_price_a_catch_up_with_the_model_share(monkeypatch):
+    """Both places that charge a round its share of the draft model's catch-up, the plan
+    (`run_round`'s first_fed) and the hybrid's gate (`propose`'s spared time), give
+    `catch_up_share` the hybrid's `model_share` as a new request's prior; output unchanged."""
+    pair, ids, refs = loopy()
+    engine = SpecEngine(pair, EngineConfig(batch_size=3, gamma=4, drafter="hybrid:ngram", adaptive=True))
+    engine.drafter.gate = ModelGate(explore_every=0)  # the model drafts every row without a match
+    monkeypatch.setattr(type(engine.drafter), "model_share", lambda self: 0.125)
+    share, seen = hybrid_module.AdaptivePolicy.catch_up_share, []
+
+    def recorded(req, model_share=1.0):
+        seen.append((sys._getframe(1).f_code.co_filename.rsplit("/", 1)[-1], model_share))
+        return share(req, model_share)
+
+    monkeypatch.setattr(hybrid_module.AdaptivePolicy, "catch_up_share", staticmethod(recorded))
+    assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))] == refs
+    assert {name for name, _ in seen} == {"round.py", "hybrid.py"}
+    assert all(s == 0.125 for _, s in seen)
 
 
 def test_lookups_that_cost_more_than_speculating_saves_are_not_made(monkeypatch):
