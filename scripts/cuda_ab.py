@@ -21,7 +21,8 @@ def parse(value: str):
     return {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
 
 
-overrides = dict((k, parse(v)) for k, v in (kv.split("=") for kv in sys.argv[6].split(","))) if len(sys.argv) > 6 else {}
+pairs = (kv.split("=") for kv in sys.argv[6].split(",")) if len(sys.argv) > 6 else ()
+overrides = {k: parse(v) for k, v in pairs}
 pair = load_pair(device=dev)
 texts = load_prompts(limit=n)
 params = SamplingParams(max_new_tokens=new, ignore_eos=True)
@@ -52,5 +53,6 @@ for bs in sizes:
             r = recs[k]
             ad = r.summary()["adaptive"] or {}
             spec = sum(v for g, v in (ad.get("gamma_hist") or {}).items() if g != "0")
-            print(f"bs {bs} rep {rep} {k} ratio {recs['ar'].wall / r.wall:.3f} ar {recs['ar'].wall:.3f} {k} {r.wall:.3f} "
+            ar = recs["ar"].wall
+            print(f"bs {bs} rep {rep} {k} ratio {ar / r.wall:.3f} ar {ar:.3f} {k} {r.wall:.3f} "
                   f"draft {r.stage_time.get('draft', 0):.3f} spec_rr {spec} rounds {r.rounds}", flush=True)
