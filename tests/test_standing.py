@@ -71,6 +71,64 @@ def test_plain_plans_give_no_standing_length_and_batch_sizes_are_apart():
     assert gate.mode(1) == 3 and gate.mode(32) is None
 
 
+def test_rounds_stand_only_where_the_policy_lets_most_plans_speculate():
+    """Standing turns the policy's plain rounds into speculative ones at L, so it is only tried
+    where at least `min_speculative` of the planned rounds speculated: at 32 rows plans rated L
+    ~5 % below their own lengths only in the rounds they looked into (edge < `probe_edge`: probes),
+    while the policy ran ~90 % of rounds plain. Rounds nothing could draft in count for neither."""
+    def rounds(gate, n, declined, lengths=(0,) * 31 + (2,)):
+        for _ in range(n):
+            if gate.to_rate(32) is not None:
+                gate.rated(32, 0.05)
+            gate.record(32, 0.03, 1e-3, False, list(lengths), declined=declined)
+
+    gate = StandingGate(block=4)
+    rounds(gate, 2, False)  # two plans drafted a row (L = 2), then the policy ran 18 rounds plain
+    rounds(gate, 18, True, [0] * 32)
+    assert gate.mode(32) == 2 and gate.summary()["<64"]["edge"] < gate.probe_edge
+    assert gate.length(32) is None and gate.summary()["<64"]["speculative"] < 0.25
+    open_ = StandingGate(block=4)  # the same plans where nothing else could draft: probes
+    rounds(open_, 2, False)
+    rounds(open_, 18, None, [0] * 32)
+    assert open_.length(32) == Standing(2)
+    speculating = StandingGate(block=4)  # plans that speculate in half the rounds
+    for _ in range(10):
+        rounds(speculating, 1, False)
+        rounds(speculating, 1, True, [0] * 32)
+    assert speculating.length(32) == Standing(2)
+
+
+@pytest.mark.parametrize("drafter", ["hybrid", "suffix"])
+def test_a_round_tells_the_gate_whether_the_policy_ran_it_plain(drafter):
+    """`run_round` records each planned round as declined (the policy ran it plain where rows
+    could draft: a kept or due plain plan, `may_speculate`'s no, a plan of all zeros) or not (a
+    plan that drafts); a round nothing could draft in (a hybrid's lookups found nothing, its
+    model off) counts for neither. Plans forced each way; output exact throughout."""
+    p = pair("llama", "perturbed")
+    ids = [x[:10] * 4 for x in prompts(8, seed=5)]
+    refs = references(p, ids, 20)
+    engine = SpecEngine(p, EngineConfig(drafter=drafter, batch_size=4, gamma=4, fuse_prefill=False))
+    policy, seen = engine.policy, []
+    record = policy.standing.record
+    policy.standing.length = lambda rows: None  # every round planned
+
+    def spy(rows, seconds, host_s, stood, lengths, sources=None, declined=False):
+        seen.append(declined)
+        return record(rows, seconds, host_s, stood, lengths, sources, declined)
+
+    policy.standing.record = spy
+    policy.may_speculate = lambda *a, **k: True
+    for plan, expected in ((lambda alphas, caps, *a, **k: list(caps), {False}),
+                           (lambda alphas, caps, *a, **k: [0] * len(caps), {True})):
+        policy.plan, seen[:] = plan, []
+        assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=20))] == refs
+        assert set(seen) - {None} == expected and seen.count(expected.pop()) > len(seen) // 2
+    policy.plain_now = lambda *a, **k: True  # every round a kept plain plan
+    seen.clear()
+    assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=20))] == refs
+    assert seen and set(seen) == {True}
+
+
 def test_old_lengths_count_less():
     gate = StandingGate(block=1, memory=8)
     planned(gate, 6, 0.0, [4])

@@ -82,6 +82,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     # held rows or a prompt joining)
     gated = policy is not None and held is None and not fused and policy.cost is not None and policy.budget is None
     stand = policy.standing.length(len(batch)) if gated else None
+    declined = None  # the policy ran this round plain where rows could have drafted (sched/standing.py)
     if gated:  # (the gate weighs a round's host time: all but its draft and verify stages)
         staged = (timer.totals.get("draft", 0.0), timer.totals.get("verify", 0.0))
     lookups = hasattr(engine.drafter, "lookahead")  # a hybrid: its lookups can run before the plan
@@ -96,6 +97,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     elif policy is not None and held is None and policy.plain_now(key, len(batch), joining=fused):  # plain, due or kept
         lengths = policy.plain(len(batch))
         before = dict(timer.totals)
+        declined = True
     elif policy is not None:
         # each row's acceptance estimate, from its record of the drafter's drafts (`factors`: those
         # after the first, against the pair's); a hybrid's lookup has a record of its own (below)
@@ -135,6 +137,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
                                                         split, key=key, factors=_pick(bound, found[1], factors),
                                                         looked=bound):
             lengths = [0] * len(batch)  # not even free drafts would pay: that is the plan (a plain one)
+            declined = True
         elif lookups:
             with timer.stage("draft"):
                 looked = engine.drafter.lookahead(batch, lengths)
@@ -150,12 +153,16 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             # something; kept, a miss at batch 1 skipped the lookups of the next 2 rounds, 40-110
             # rounds a run), and never as settled: what lookups find changes from round to round
             kept = key if any(by_lookup) else None
+            could = any(lengths)  # (nothing found, the model off: plain whatever the plan would say)
             lengths = policy.plan(alphas, lengths, weights, first_fed, key=kept, held=held,
                                   split_s=split, settle=False, factors=factors, looked=by_lookup,
                                   confidence=confidence if any(confidence) else None)  # (the lookahead indexed)
+            declined = not any(lengths) if could else None
         else:
+            could = any(lengths)
             lengths = policy.plan(alphas, lengths, weights, first_fed, key=key, held=held, index_s=index_s,
                                   split_s=split, factors=factors)
+            declined = not any(lengths) if could else None
         policy.planned(len(batch), time.perf_counter() - planning)
     g = max(lengths)
 
@@ -238,7 +245,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             totals = timer.totals
             host_s = elapsed - (totals.get("draft", 0.0) - staged[0]) - (totals.get("verify", 0.0) - staged[1])
             sources = None if looked is None else [True if f else None if f == [] else False for f in looked]
-            policy.standing.record(len(batch), elapsed, host_s, stand is not None, lengths, sources)
+            policy.standing.record(len(batch), elapsed, host_s, stand is not None, lengths, sources, declined)
             stats.standing_rounds += stand is not None
 
 
