@@ -334,11 +334,12 @@ verify_exact verify_wave37
 # ... and batch 1 a second time, on the same code:
 issue19_at 1 wave37_adaptive_1_second
 # Wave 38: rounds stand only where the policy lets at least a quarter of planned rounds speculate
-# (755eb62), and the hybrid's gate prices a catch-up by how often it lets the model draft (2ee8e2e);
-# measured on the Intel Xeon:
+# (755eb62); measured on the Intel Xeon on 2ee8e2e, whose change to the hybrid's gate (a catch-up
+# priced by how often it lets the model draft) was then reverted:
 issue19_at 1,2,4 wave38_adaptive_1to4
 issue19_8to64 wave38_adaptive_8to64
 drafters_twin wave38
 verify_exact verify_wave38
-# ... and batch 1 a second time, on the same code:
+# ... and batch 1 a second time, on the same code, then after the revert:
 issue19_at 1 wave38_adaptive_1_second
+issue19_at 1 wave38_adaptive_1_reverted

@@ -751,9 +751,7 @@ def test_the_model_share_is_the_rows_the_lookup_found_nothing_for():
 def test_the_plan_and_the_gate_price_a_catch_up_with_the_model_share(monkeypatch):
     """Both places that charge a round its share of the draft model's catch-up, the plan
     (`run_round`'s first_fed) and the hybrid's gate (`propose`'s spared time), give
-    `catch_up_share` the hybrid's `model_share` as a new request's prior, the gate's times the
-    share of rounds without a match that it let the model draft (`ModelGate.use_share`); output
-    unchanged."""
+    `catch_up_share` the hybrid's `model_share` as a new request's prior; output unchanged."""
     pair, ids, refs = loopy()
     engine = SpecEngine(pair, EngineConfig(batch_size=3, gamma=4, drafter="hybrid:ngram", adaptive=True))
     engine.drafter.gate = ModelGate(explore_every=0)  # the model drafts every row without a match
@@ -762,7 +760,6 @@ def test_the_plan_and_the_gate_price_a_catch_up_with_the_model_share(monkeypatch
     policy.may_speculate = lambda *a, **k: True
     policy.plan = lambda alphas, caps, *a, **k: list(caps)
     monkeypatch.setattr(type(engine.drafter), "model_share", lambda self: 0.125)
-    monkeypatch.setattr(ModelGate, "use_share", lambda self: 0.5)
     share, seen = hybrid_module.AdaptivePolicy.catch_up_share, []
 
     def recorded(req, model_share=1.0):
@@ -772,20 +769,7 @@ def test_the_plan_and_the_gate_price_a_catch_up_with_the_model_share(monkeypatch
     monkeypatch.setattr(hybrid_module.AdaptivePolicy, "catch_up_share", staticmethod(recorded))
     assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))] == refs
     assert {name for name, _ in seen} == {"round.py", "hybrid.py"}
-    assert all(s == (0.0625 if name == "hybrid.py" else 0.125) for name, s in seen)
-
-
-def test_the_gates_use_share_is_the_rounds_it_let_the_model_draft():
-    """`ModelGate.use_share`: of the rounds recorded (rows without a match), the share the model
-    drafted in, one such round as a prior. Where the gate keeps the model off (the echo workload
-    at batch 1: 1 round in 3-10), a catch-up serves that much fewer model rounds, and the gate
-    charges a model round more of it (taken as every round, explorations caught up 700-4500
-    tokens a run for 4-37 model rounds: 0.03-0.19 s of draft stage where `suffix` spent 0.08)."""
-    gate = ModelGate()
-    assert gate.use_share() == 1.0
-    for drafted in (False, False, True, False):
-        gate.record(1.0, 0.01, drafted)
-    assert gate.use_share() == pytest.approx((1 + 1) / (4 + 1))
+    assert all(s == 0.125 for _, s in seen)
 
 
 def test_lookups_that_cost_more_than_speculating_saves_are_not_made(monkeypatch):

@@ -71,7 +71,7 @@ def test_plain_plans_give_no_standing_length_and_batch_sizes_are_apart():
     assert gate.mode(1) == 3 and gate.mode(32) is None
 
 
-def test_rounds_stand_only_where_the_policy_lets_most_plans_speculate():
+def test_rounds_stand_only_where_the_policy_lets_plans_speculate():
     """Standing turns the policy's plain rounds into speculative ones at L, so it is only tried
     where at least `min_speculative` of the planned rounds speculated: at 32 rows plans rated L
     ~5 % below their own lengths only in the rounds they looked into (edge < `probe_edge`: probes),

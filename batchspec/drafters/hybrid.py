@@ -102,7 +102,6 @@ class ModelGate:
         self.used = 0  # rounds with the model since the last one recorded without it
         self.streak = 0  # rounds left of a side being measured again (`streak_side`: True, the model's)
         self.streak_side = True
-        self.rounds = [0, 0]  # rounds recorded, and those the model drafted in (`use_share`)
 
     def use(self) -> bool:
         if self.model is None:
@@ -129,9 +128,6 @@ class ModelGate:
 
     def record(self, tokens: float, seconds: float, drafted: bool) -> None:
         """A round with rows the lookup had nothing for: `drafted`, the model drafted them."""
-        self.rounds = [self.rounds[0] + 1, self.rounds[1] + drafted]
-        if self.rounds[0] > 1024:  # (the older rounds count half)
-            self.rounds = [n // 2 for n in self.rounds]
         if drafted:
             self.counts[0] += 1
             self.model = self._mix(self.model, (tokens, seconds), self.counts[0])
@@ -151,11 +147,6 @@ class ModelGate:
             self.probe = self.explore_every
         elif not drafted and judged:
             self.probe = min(self.max_wait, 2 * self.probe)
-
-    def use_share(self) -> float:
-        """The share of recorded rounds (rows without a match) in which the model drafted, 1 at
-        first: of the rounds a catch-up could serve, those it is likely to (see `HybridDrafter.propose`)."""
-        return (self.rounds[1] + 1) / (self.rounds[0] + 1)
 
     def skip(self) -> None:
         self.skipped += 1
@@ -279,15 +270,11 @@ class HybridDrafter:
         # (`AdaptivePolicy.catch_up_share`) and leaves the rest of it out, pro rata of the tokens
         # fed (a row fed once normally has 1 or 2 tokens unseen). Left out whole, a request the
         # lookup serves almost alone paid a ~700-token catch-up for a model round or two (echo
-        # workload, batch 1: 0.3-0.45 s of catch-ups in 8 s, the hybrid 6 % behind `suffix`). The prior
-        # is the share of rows the model drafts for where the gate lets it, times how often it does
-        # (`ModelGate.use_share`): the echo workload's rows without a match (1 in 4) had the model in
-        # 1 round in 3-10, and taken as every round, the gate's explorations caught up 700-4500 tokens a
-        # run for 4-37 model rounds (0.03-0.19 s) and looked cheap enough to be tried again soon
+        # workload, batch 1: 0.3-0.45 s of catch-ups in 8 s, the hybrid 6 % behind `suffix`)
         name = self.model.runner.name
         drafting = sum(caps[i] for i in rows)
         behind = [max(0, reqs[i].num_tokens - reqs[i].kv_len.get(name, 0) - 2) for i in rows]
-        share = self.model_share() * self.gate.use_share()
+        share = self.model_share()
         spared = sum(n * (1.0 - AdaptivePolicy.catch_up_share(reqs[i], share)) for n, i in zip(behind, rows))
         model_start = time.perf_counter()
         sub = [reqs[i] for i in rows]  # a subsequence of a batch in slot order: still in slot order
