@@ -123,6 +123,10 @@ def test_a_round_tells_the_gate_whether_the_policy_ran_it_plain(drafter):
         policy.plan, seen[:] = plan, []
         assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=20))] == refs
         assert set(seen) - {None} == expected and seen.count(expected.pop()) > len(seen) // 2
+    if drafter == "hybrid":  # its lookups are asked for only if even free drafts would pay
+        policy.may_speculate, seen[:] = (lambda *a, **k: False), []
+        assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=20))] == refs
+        assert seen and set(seen) == {True}
     policy.plain_now = lambda *a, **k: True  # every round a kept plain plan
     seen.clear()
     assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=20))] == refs
