@@ -343,3 +343,6 @@ verify_exact verify_wave38
 # ... and batch 1 a second time, on the same code, then after the revert:
 issue19_at 1 wave38_adaptive_1_second
 issue19_at 1 wave38_adaptive_1_reverted
+# Wave 39: the standing length is learnt from the plans' lengths, before the draft model's cut;
+# measured on an AMD EPYC (2 cores, ~3x slower per token than the Xeon), batch 1 only:
+issue19_at 1 wave39_adaptive_1

@@ -108,6 +108,8 @@ def test_a_round_tells_the_gate_whether_the_policy_ran_it_plain(drafter):
     ids = [x[:10] * 4 for x in prompts(8, seed=5)]
     refs = references(p, ids, 20)
     engine = SpecEngine(p, EngineConfig(drafter=drafter, batch_size=4, gamma=4, fuse_prefill=False))
+    if drafter == "hybrid":  # its model's gate goes by the clock (on a loaded machine it turned the model
+        engine.drafter.gate.use = lambda: True  # off, and rounds whose lookups found nothing counted for neither)
     policy, seen = engine.policy, []
     record = policy.standing.record
     policy.standing.length = lambda rows: None  # every round planned
@@ -131,6 +133,25 @@ def test_a_round_tells_the_gate_whether_the_policy_ran_it_plain(drafter):
     seen.clear()
     assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=20))] == refs
     assert seen and set(seen) == {True}
+
+
+def test_the_standing_length_is_the_plans_not_what_the_cut_left():
+    """L is learnt from the lengths plans chose, not from those verified after the draft model's
+    cut (and TETRIS's prune): standing rounds cut too, so an L learnt after the cut would cut
+    twice. Plans forced to 3 drafts a row, the cut stopping every row at its first draft: the
+    rounds verify 1, and L is 3. Output exact."""
+    p = pair("llama", "perturbed")
+    ids = prompts(4, seed=3)
+    refs = references(p, ids, 12)
+    engine = SpecEngine(p, EngineConfig(drafter="draft_model", batch_size=1, gamma=4, fuse_prefill=False))
+    policy = engine.policy
+    policy.standing.length = lambda rows: None  # every round planned
+    policy.plan = lambda alphas, caps, *a, **k: [min(3, c) for c in caps]
+    policy.prune = lambda alphas, lengths, *a, **k: lengths
+    engine.drafter.stop = lambda reqs, depth, confidence, lengths: [depth] * len(lengths)
+    assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=12))] == refs
+    assert max(engine.stats.gamma_hist) == 1  # every round verified one draft at most
+    assert policy.standing.mode(1) == 3
 
 
 def test_old_lengths_count_less():

@@ -83,6 +83,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
     gated = policy is not None and held is None and not fused and policy.cost is not None and policy.budget is None
     stand = policy.standing.length(len(batch)) if gated else None
     declined = None  # the policy ran this round plain where rows could have drafted (sched/standing.py)
+    planned = None  # the plan's lengths, before the draft model's cut and the TETRIS prune (sched/standing.py)
     if gated:  # (the gate weighs a round's host time: all but its draft and verify stages)
         staged = (timer.totals.get("draft", 0.0), timer.totals.get("verify", 0.0))
     lookups = hasattr(engine.drafter, "lookahead")  # a hybrid: its lookups can run before the plan
@@ -163,6 +164,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             lengths = policy.plan(alphas, lengths, weights, first_fed, key=key, held=held, index_s=index_s,
                                   split_s=split, factors=factors)
             declined = not any(lengths) if could else None
+        planned = list(lengths)
         policy.planned(len(batch), time.perf_counter() - planning)
     g = max(lengths)
 
@@ -245,7 +247,9 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             totals = timer.totals
             host_s = elapsed - (totals.get("draft", 0.0) - staged[0]) - (totals.get("verify", 0.0) - staged[1])
             sources = None if looked is None else [True if f else None if f == [] else False for f in looked]
-            policy.standing.record(len(batch), elapsed, host_s, stand is not None, lengths, sources, declined)
+            policy.standing.record(len(batch), elapsed, host_s, stand is not None,
+                                   lengths if planned is None else planned, sources,
+                                   declined)
             stats.standing_rounds += stand is not None
 
 

@@ -20,10 +20,16 @@ drowns in that for hundreds of rounds):
               planned round's seconds.
 
 A round stands while edge < overhead: the plan would not earn what it costs. L is the length the
-plans chose most often for a row that drafted. A hybrid drafter's rows have one L per source
-(`Standing`): the rows its lookup drafts, and the rows its draft model could draft, whose 0 counts
-too; a standing round runs its lookups first to know which rows are whose. One L for both made
-its draft model draft every row without a match at 24-32 rows, where plans almost never do: the
+plans chose most often for a row that drafted: the plan's length, before the draft model's cut
+(`AdaptivePolicy.cut`) and the TETRIS prune. Standing rounds cut too (the cut is the draft model's),
+so an L learnt from the lengths verified after them was cut twice: at batch 1 on the bundled prompts
+the draft model's L came out 1 (its planned rounds verified 1 draft 46 times, 2 17 times, 3 16 times
+in one run), and 3 from the plans' lengths. Measured in-process (AMD EPYC, 5 repeats side by side)
+that was worth little there: 1.539x plain decoding against 1.540 with L learnt after the cut, fixed
+γ = 3 1.550 (the lookup drafts most rounds, at its own L of 4). A hybrid drafter's rows have one L
+per source (`Standing`): the rows its lookup drafts, and the rows its draft model could draft, whose
+0 counts too; a standing round runs its lookups first to know which rows are whose. One L for both
+made its draft model draft every row without a match at 24-32 rows, where plans almost never do: the
 edge kept its rounds planned (4-7 % stood where `suffix` stood 30-50 %; echo workload, 1.10-1.14x
 plain decoding where `suffix` made 1.15-1.16x). A planned round still runs every `replan` rounds
 (edge and L stay current); the first standing rounds, `probe` of them, run once `block` plans have
@@ -148,7 +154,8 @@ class StandingGate:
     def record(self, rows: int, seconds: float, host_s: float, stood: bool, lengths: list[int],
                sources: list[bool | None] | None = None, declined: bool | None = False) -> None:
         """A round of `rows` rows took `seconds`, `host_s` of them outside the draft and verify
-        stages, at a standing length (`stood`) or planned; row i verified lengths[i] drafts.
+        stages, at a standing length (`stood`) or planned; the plan gave row i lengths[i] drafts
+        (before the draft model's cut and the TETRIS prune: what L is learnt from).
         sources[i], a hybrid's round: True, its lookup drafted row i; False, its draft model could
         have (a length of 0 counts too: at 32 rows plans draft those rows rarely, while their
         lookup rows draft most rounds); None, neither could. declined, a planned round: the
