@@ -248,8 +248,7 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             host_s = elapsed - (totals.get("draft", 0.0) - staged[0]) - (totals.get("verify", 0.0) - staged[1])
             sources = None if looked is None else [True if f else None if f == [] else False for f in looked]
             policy.standing.record(len(batch), elapsed, host_s, stand is not None,
-                                   lengths if planned is None else planned, sources,
-                                   declined)
+                                   lengths if planned is None else planned, sources, declined)
             stats.standing_rounds += stand is not None
 
 
