@@ -346,6 +346,8 @@ issue19_at 1 wave38_adaptive_1_reverted
 # Wave 39: the standing length is learnt from the plans' lengths, before the draft model's cut;
 # measured on an AMD EPYC (2 cores, ~3x slower per token than the Xeon), batch 1 only:
 issue19_at 1 wave39_adaptive_1
-# ... and `echo` at batch 1, suffix against hybrid:
+# ... and `echo` at batch 1, then 8 and 32, suffix against hybrid:
 batchspec bench --methods autoregressive,eqspec --batch-sizes 1 --drafters suffix,hybrid --adaptive on --twin \
   --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo --json docs/results/wave39_echo_1.json
+batchspec bench --methods autoregressive,eqspec --batch-sizes 8,32 --drafters suffix,hybrid --adaptive on --twin \
+  --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo --json docs/results/wave39_echo_8_32.json
