@@ -351,3 +351,5 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 1 --drafters suffi
   --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo --json docs/results/wave39_echo_1.json
 batchspec bench --methods autoregressive,eqspec --batch-sizes 8,32 --drafters suffix,hybrid --adaptive on --twin \
   --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo --json docs/results/wave39_echo_8_32.json
+# ... and exactness on the final code of wave 39:
+verify_exact verify_wave39
