@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
-os.environ["BATCHSPEC_CACHE"] = "off"  # no step-cost profiles written to the user's cache (batchspec/cache.py)
+# Measurements (step-cost profiles, kernel plans: batchspec/cache.py) go to a folder of this
+# session's own, never the user's cache, and are shared by the processes the tests start: with the
+# cache off, every Ray actor and subprocess timed the kernels again (~20 s an actor on the EPYC).
+os.environ["BATCHSPEC_CACHE"] = tempfile.mkdtemp(prefix="batchspec-test-cache-")
+atexit.register(shutil.rmtree, os.environ["BATCHSPEC_CACHE"], ignore_errors=True)
 
 TEXT = """def add(a, b):
     return a + b
