@@ -265,6 +265,46 @@ def test_verify_attention_by_row_equals_padded(arch, feeds, monkeypatch):
         torch.testing.assert_close(by_row[i, :n], padded[i, :n], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("feeds", [[40, 1, 0, 1, 1], [5, 1, 1, 0, 3]])
+def test_rows_fed_one_token_attend_together(arch, feeds, monkeypatch):
+    """In a pass attending row by row, the rows fed one token after their KV (decoding rows beside a
+    prompt that joins them, rows that verify no draft) are attended in one padded call
+    (`SINGLE_ROWS`): the same as one call per row and as the padded layout, an idle row among them."""
+    from batchspec.core import forward as fw
+    from batchspec.core.rows import RowBatch, RowKV
+    from batchspec.core.runner import kv_shape
+
+    model = model_for(arch)
+    prompts = [0 if feeds[0] == 40 else 60, 7, 33, 90, 21]  # row 0 either joins now or verifies
+
+    def run(singles: int, waste: int) -> torch.Tensor:
+        monkeypatch.setattr(fw, "SINGLE_ROWS", singles)
+        monkeypatch.setattr(fw, "ROW_WASTE_PAIRS", waste)
+        monkeypatch.setattr(fw, "ROW_ATTENTION_TOKENS", 32 if waste == 0 else 10**9)
+        gen = torch.Generator().manual_seed(5)
+        kv = RowKV(*kv_shape(model), 5, 160, model.dtype, model.device)
+        kv.make_clean(list(range(5)), 160)
+        forward = LeanForward(model)
+        first = [p if p else 1 for p in prompts]  # (a row joining now holds one stale token, never read)
+        for starts, counts in (([0] * 5, first), (prompts, feeds)):
+            batch = RowBatch(kv, list(range(5)), starts, counts)
+            positions, visible = row_inputs(starts, max(counts), batch.width, model.device)
+            ids = torch.randint(0, VOCAB, (5, max(counts)), generator=gen)
+            out = forward(ids, positions, batch, visible)
+        assert fw.attends_by_row(max(feeds), batch, model.device) == (waste == 0)
+        grouped = forward._row_masks(batch, visible)[1]
+        assert (grouped is not None) == (singles == 2)
+        if grouped is not None:
+            assert grouped[3] == {i for i, n in enumerate(feeds) if n == 1}
+        return out
+
+    together, each, padded = run(2, 0), run(10**9, 0), run(2, 10**9)
+    for i, n in enumerate(feeds):
+        torch.testing.assert_close(together[i, :n], each[i, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(together[i, :n], padded[i, :n], rtol=1e-5, atol=1e-5)
+
+
 def test_folded_attention_takes_the_output_layout_cuda_returns(monkeypatch):
     """CUDA's memory-efficient SDPA kernel (float32) returns [B, H, n, D] laid out as [B, n, H, D]:
     unfolding the grouped query heads from that needs a copy (a `view` raised on an H200)."""

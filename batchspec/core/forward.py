@@ -120,8 +120,11 @@ ROW_ATTENTION_TOKENS = 32
 # call per row costs ~45 us, a (query, key) pair ~0.02 us (see `attends_by_row`).
 ROW_WASTE_PAIRS = 2250
 MM_EVERYWHERE = Plan.everywhere(mm=True)  # `matmul`'s default: W @ x^T up to kernels.COUNTS[-1] tokens
+# At least this many rows fed one token after their KV, in a pass attending row by row, are
+# attended in one padded call (`_attend_by_row`).
+SINGLE_ROWS = 2
 VIEW_ROWS = 16  # from this many tokens on, the gate/up product's output is left transposed (see `matmul`)
-LEAN_REVISION = 2  # raised when the lean forward's costs change: step-cost profiles cached before are stale
+LEAN_REVISION = 3  # raised when the lean forward's costs change: step-cost profiles cached before are stale
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -369,23 +372,35 @@ class LeanForward:
         # memory, transposed, whose heads cannot be unfolded without a copy
         return out.reshape(b, hq, n, d)
 
-    def _row_masks(self, kv, visible) -> list:
-        """Per row of a pass `_attend_by_row` attends: None where it is fed from column 0 (causal
-        over itself), else its mask rows over its own keys [1, 1, count, start + count], its grouped
-        query heads folded into them ([1, 1, g * count, start + count], as `_fold_mask`) for a few
-        tokens (a verify pass's row); built once for every layer."""
+    def _row_masks(self, kv, visible) -> tuple[list, tuple | None]:
+        """For `_attend_by_row`, built once for every layer: per row, None where it is fed from
+        column 0 (causal over itself), else its mask rows over its own keys [1, 1, count, start +
+        count], its grouped query heads folded into them ([1, 1, g * count, start + count], as
+        `_fold_mask`) for a few tokens (a verify pass's row); and the rows fed one token after
+        their KV (`SINGLE_ROWS`), attended together: (their batch rows [s], their places among
+        the packed tokens [s], the batch's column-0 mask [B, 1, g, T] folded, the set of those rows), or None."""
         _, starts, counts = kv.row_spans
         g = self.heads[0] // self.heads[1]
-        out = []
+        out, singles, at = [], [], 0
         for i, (start, count) in enumerate(zip(starts, counts)):
             width = start + count
             mask = None if start == 0 or count == 0 else visible[i:i + 1, :, :count, :width]
             if mask is not None and g > 1 and count <= FOLD_TOKENS:
                 mask = mask.expand(1, g, count, width).reshape(1, 1, g * count, width)
             out.append(mask)
-        return out
+            if count == 1 and start > 0:
+                singles.append((i, at))
+            at += count
+        if len(singles) < SINGLE_ROWS or visible is None or not getattr(kv, "contiguous", False):
+            return out, None
+        device = visible.device
+        rows = torch.tensor([i for i, _ in singles], device=device)
+        where = torch.tensor([a for _, a in singles], device=device)
+        column = visible[:, :, :1]  # [B, 1, 1, T]
+        return out, (rows, where, column.expand(-1, g, -1, -1).reshape(column.shape[0], 1, g, -1),
+                     {i for i, _ in singles})
 
-    def _attend_by_row(self, q: torch.Tensor, kv, index: int, masks: list) -> torch.Tensor:
+    def _attend_by_row(self, q: torch.Tensor, kv, index: int, masks: tuple[list, tuple | None]) -> torch.Tensor:
         """Attention of the packed queries q [C, Hq, D] (row by row, as `packed` orders them) ->
         [C, Hq, D], one row at a time over its own keys, under `masks` (`_row_masks`): a prefill
         chunk mixes prompts of different lengths, and attention over the padded [B, heads, n, T]
@@ -393,24 +408,43 @@ class LeanForward:
         120, 40 and 17 tokens: padded, 5 x 303 x 303 query-key pairs; by row, 303² + 150² + ... (a
         quarter of that). On the EPYC, the prefill of 64 bundled prompts at 32 rows took 0.79x the
         time (2.0 s against 2.5), at 8 rows 0.83x. A verify pass's rows (a few tokens each, after
-        their KV) fold their grouped query heads as `_attend` does."""
-        out, at = [], 0
+        their KV) fold their grouped query heads as `_attend` does.
+
+        Rows fed one token after their KV (decoding rows in a round that prefills a prompt beside
+        them, rows that draft nothing in a verify pass) are attended in one padded call over the
+        batch's keys, as a plain decoding step is, the others row by row: a call per row costs ~45
+        us a layer, so a prompt joining 16 decoding rows cost 16 calls a layer, not 2."""
+        row_masks, singles = masks
         hq, d = q.shape[1], q.shape[2]
+        out = q.new_empty(q.shape)
+        if singles is not None:  # one query per batch row (the others' are zeros, their outputs dropped)
+            rows, where, mask, single = singles
+            keys, values = kv.read(index)  # [B, Hk, T, D]
+            b, hk = keys.shape[0], keys.shape[1]
+            qs = q.new_zeros(b, hq, d)
+            qs[rows] = q[where]
+            a = F.scaled_dot_product_attention(qs.view(b, hk, hq // hk, d), keys, values, attn_mask=mask,
+                                               scale=self.scaling)  # [B, Hk, g, D]
+            out[where] = a.reshape(b, hq, d)[rows]
+        else:
+            single = ()
+        at = 0
         for i, count in enumerate(kv.row_spans[2]):
-            if count == 0:
+            if count == 0 or i in single:
+                at += count
                 continue
             keys, values = kv.read_row(index, i)  # [1, Hk, start + count, D]
             qi = q[at:at + count].transpose(0, 1)[None]  # [1, Hq, count, D]
-            hk, mask = keys.shape[1], masks[i]
+            hk, mask = keys.shape[1], row_masks[i]
             if mask is not None and mask.shape[2] > count:  # folded
                 a = F.scaled_dot_product_attention(qi.reshape(1, hk, -1, d), keys, values, attn_mask=mask,
                                                    scale=self.scaling).reshape(1, hq, count, d)
             else:
                 a = F.scaled_dot_product_attention(qi, keys, values, attn_mask=mask, is_causal=mask is None,
                                                    scale=self.scaling, enable_gqa=hq != hk)
-            out.append(a[0].transpose(0, 1))  # [count, Hq, D]
+            out[at:at + count] = a[0].transpose(0, 1)  # [count, Hq, D]
             at += count
-        return torch.cat(out)
+        return out
 
     def _qkv(self, out: torch.Tensor, q_norm, k_norm, cos, sin):
         """The fused q/k/v output [..., (q + k + v heads) * D] -> q, k, v [..., heads, D], rotated."""
