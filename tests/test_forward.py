@@ -269,8 +269,9 @@ def test_verify_attention_by_row_equals_padded(arch, feeds, monkeypatch):
 @pytest.mark.parametrize("feeds", [[40, 1, 0, 1, 1], [5, 1, 1, 0, 3]])
 def test_rows_fed_one_token_attend_together(arch, feeds, monkeypatch):
     """In a pass attending row by row, the rows fed one token after their KV (decoding rows beside a
-    prompt that joins them, rows that verify no draft) are attended in one padded call
-    (`SINGLE_ROWS`): the same as one call per row and as the padded layout, an idle row among them."""
+    prompt that joins them, rows that verify no draft) are attended in one padded call where it
+    pays (`GROUP_WASTE_PAIRS`): the same as one call per row and as the padded layout, an idle row
+    among them."""
     from batchspec.core import forward as fw
     from batchspec.core.rows import RowBatch, RowKV
     from batchspec.core.runner import kv_shape
@@ -278,8 +279,8 @@ def test_rows_fed_one_token_attend_together(arch, feeds, monkeypatch):
     model = model_for(arch)
     prompts = [0 if feeds[0] == 40 else 60, 7, 33, 90, 21]  # row 0 either joins now or verifies
 
-    def run(singles: int, waste: int) -> torch.Tensor:
-        monkeypatch.setattr(fw, "SINGLE_ROWS", singles)
+    def run(group: bool, waste: int) -> torch.Tensor:
+        monkeypatch.setattr(fw, "GROUP_WASTE_PAIRS", 10**9 if group else 0)
         monkeypatch.setattr(fw, "ROW_WASTE_PAIRS", waste)
         monkeypatch.setattr(fw, "ROW_ATTENTION_TOKENS", 32 if waste == 0 else 10**9)
         gen = torch.Generator().manual_seed(5)
@@ -294,15 +295,34 @@ def test_rows_fed_one_token_attend_together(arch, feeds, monkeypatch):
             out = forward(ids, positions, batch, visible)
         assert fw.attends_by_row(max(feeds), batch, model.device) == (waste == 0)
         grouped = forward._row_masks(batch, visible)[1]
-        assert (grouped is not None) == (singles == 2)
+        assert (grouped is not None) == group
         if grouped is not None:
             assert grouped[3] == {i for i, n in enumerate(feeds) if n == 1}
         return out
 
-    together, each, padded = run(2, 0), run(10**9, 0), run(2, 10**9)
+    together, each, padded = run(True, 0), run(False, 0), run(True, 10**9)
     for i, n in enumerate(feeds):
         torch.testing.assert_close(together[i, :n], each[i, :n], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(together[i, :n], padded[i, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_rows_fed_one_token_group_only_where_the_call_wastes_less_than_it_saves():
+    """`GROUP_WASTE_PAIRS`' examples: a prompt joining 16 decoding rows, grouped; 32 rows of which
+    28 verify 2 tokens, the 4 others by row (their call would read all 32 rows' keys)."""
+    forward = LeanForward(model_for("llama"))
+
+    def grouped(starts: list[int], counts: list[int]) -> bool:
+        kv = RowSpans(starts, counts)
+        kv.contiguous = True
+        width = max(s + c for s, c in zip(starts, counts))
+        visible = torch.ones(len(starts), 1, max(counts), width, dtype=torch.bool)
+        return forward._row_masks(kv, visible)[1] is not None
+
+    decoding = [300 + 25 * i for i in range(16)]
+    assert grouped([0] + decoding, [30] + [1] * 16)
+    verifying = [300 + 12 * i for i in range(32)]
+    assert not grouped(verifying, [2] * 28 + [1] * 4)
+    assert not grouped([0, 400], [30, 1])  # one such row: nothing to save
 
 
 def test_folded_attention_takes_the_output_layout_cuda_returns(monkeypatch):
