@@ -5,10 +5,11 @@ matrix-product kernel a few tokens take on this CPU (`core/kernels.py`).
 A profile's cost depends on the architecture, not on the weights: the key is each model's config
 (name and path left out), dtype, device (the GPU's name on CUDA), thread count, CPU, torch version
 and the profile's grid. Files go under `$BATCHSPEC_CACHE` (default `$XDG_CACHE_HOME/batchspec` or
-`~/.cache/batchspec`); `BATCHSPEC_CACHE=off` turns the disk cache off (the test suite does). A
-profile is written whole or not at all (a temporary file renamed), and a folder that cannot be
-written is not an error: the engine profiles again next time. A profile read back is checked
-against one pass timed now and measured again if it was taken at a busy moment (`bench/costs.py`).
+`~/.cache/batchspec`; the test suite points it at a folder of its own); `BATCHSPEC_CACHE=off` turns
+the disk cache off. A profile is written whole or not at all (a temporary file renamed), and a
+folder that cannot be written is not an error: the engine profiles again next time. A profile read
+back is checked against one pass timed now and measured again if it was taken at a busy moment
+(`bench/costs.py`).
 """
 
 from __future__ import annotations

@@ -353,3 +353,8 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 8,32 --drafters su
   --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo --json docs/results/wave39_echo_8_32.json
 # ... and exactness on the final code of wave 39:
 verify_exact verify_wave39
+# Wave 40: one-token rows attend together in a pass that attends row by row (a prompt joining
+# decoding rows); issue 19's command at 16, 32 and 64 on the AMD EPYC:
+issue19_at 16,32,64 wave40_adaptive_16to64
+# ... and exactness on the final code of wave 40:
+verify_exact verify_wave40

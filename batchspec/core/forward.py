@@ -123,8 +123,8 @@ MM_EVERYWHERE = Plan.everywhere(mm=True)  # `matmul`'s default: W @ x^T up to ke
 # In a pass attending row by row, the rows fed one token after their KV attend in one padded call
 # over the batch's keys where its wasted query-key pairs (the other rows' whole width, each of
 # these rows' padding) are fewer than this many per call it saves (`_row_masks`). On the EPYC a
-# 30-token prompt joining 16 decoding rows: 63 -> 53 ms a round; 32 rows with 28 of them verifying
-# 2 tokens, the 4 others' call cost 127 ms a pass against 99 by row (so not grouped there).
+# 30-token prompt joining 16 decoding rows: 51 -> 41 ms a round (32 rows: 77 -> 64); 32 rows with
+# 28 of them verifying 2 tokens, grouped, the 4 others' call cost 127 ms a pass against 99 by row.
 GROUP_WASTE_PAIRS = 560
 VIEW_ROWS = 16  # from this many tokens on, the gate/up product's output is left transposed (see `matmul`)
 LEAN_REVISION = 3  # raised when the lean forward's costs change: step-cost profiles cached before are stale
@@ -418,8 +418,9 @@ class LeanForward:
 
         Rows fed one token after their KV (decoding rows in a round that prefills a prompt beside
         them, rows that draft nothing in a verify pass) are attended in one padded call over the
-        batch's keys, as a plain decoding step is, the others row by row: a call per row costs ~45
-        us a layer, so a prompt joining 16 decoding rows cost 16 calls a layer, not 2."""
+        batch's keys, as a plain decoding step is, where that pays (`_row_masks`), the others row
+        by row: a call per row costs ~45 us a layer, and a prompt joining 16 decoding rows made 16
+        calls a layer, now 2."""
         row_masks, singles = masks
         hq, d = q.shape[1], q.shape[2]
         out = q.new_empty(q.shape)
