@@ -356,5 +356,7 @@ verify_exact verify_wave39
 # Wave 40: one-token rows attend together in a pass that attends row by row (a prompt joining
 # decoding rows); issue 19's command at 16, 32 and 64 on the AMD EPYC:
 issue19_at 16,32,64 wave40_adaptive_16to64
+# ... and at 8, after it (the final code):
+issue19_at 8 wave40_adaptive_8
 # ... and exactness on the final code of wave 40:
 verify_exact verify_wave40
