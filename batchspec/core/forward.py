@@ -382,7 +382,7 @@ class LeanForward:
         `_fold_mask`) for a few tokens (a verify pass's row); and the rows fed one token after
         their KV, attended together where one padded call for them pays (`GROUP_WASTE_PAIRS`):
         (their batch rows [s], their places among the packed tokens [s], the batch's column-0 mask
-        [B, 1, g, T] folded, the set of those rows), or None."""
+        [B, 1, 1, T] and as `_fold_mask` folds it, the set of those rows), or None."""
         _, starts, counts = kv.row_spans
         g = self.heads[0] // self.heads[1]
         out, singles, at = [], [], 0
@@ -403,8 +403,7 @@ class LeanForward:
         rows = torch.tensor([i for i, _ in singles], device=device)
         where = torch.tensor([a for _, a in singles], device=device)
         column = visible[:, :, :1]  # [B, 1, 1, T]
-        return out, (rows, where, column.expand(-1, g, -1, -1).reshape(column.shape[0], 1, g, -1),
-                     {i for i, _ in singles})
+        return out, (rows, where, column, self._fold_mask(column, 1), {i for i, _ in singles})
 
     def _attend_by_row(self, q: torch.Tensor, kv, index: int, masks: tuple[list, tuple | None]) -> torch.Tensor:
         """Attention of the packed queries q [C, Hq, D] (row by row, as `packed` orders them) ->
@@ -425,14 +424,11 @@ class LeanForward:
         hq, d = q.shape[1], q.shape[2]
         out = q.new_empty(q.shape)
         if singles is not None:  # one query per batch row (the others' are zeros, their outputs dropped)
-            rows, where, mask, single = singles
+            rows, where, column, folded, single = singles
             keys, values = kv.read(index)  # [B, Hk, T, D]
-            b, hk = keys.shape[0], keys.shape[1]
-            qs = q.new_zeros(b, hq, d)
-            qs[rows] = q[where]
-            a = F.scaled_dot_product_attention(qs.view(b, hk, hq // hk, d), keys, values, attn_mask=mask,
-                                               scale=self.scaling)  # [B, Hk, g, D]
-            out[where] = a.reshape(b, hq, d)[rows]
+            qs = q.new_zeros(keys.shape[0], hq, 1, d)
+            qs[rows] = q[where][:, :, None]
+            out[where] = self._attend(qs, keys, values, column, folded)[rows, :, 0]  # [s, Hq, D]
         else:
             single = ()
         at = 0
