@@ -360,3 +360,7 @@ issue19_at 16,32,64 wave40_adaptive_16to64
 issue19_at 8 wave40_adaptive_8
 # ... and exactness on the final code of wave 40:
 verify_exact verify_wave40
+# Wave 41 (the AMD EPYC, engine code unchanged from wave 40): issue 20's drafters on `plain`, 3 repeats:
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
+  --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 4 --workload plain \
+  --json docs/results/wave41_drafters_plain.json
