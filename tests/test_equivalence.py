@@ -81,8 +81,8 @@ def test_eos_inside_an_accepted_draft(arch):
 def test_real_draft_model_is_exact(arch, draft_kind):
     """A draft model of its own shapes ("small": another width and depth, whose drafts are nearly
     always rejected, so γ = 5 alone; the oracle tests cover every γ) or the target perturbed.
-    Small batches run the first 4 prompts a slot (at least 8): still refilled, at a quarter of
-    the rounds batch 1 took over all 32."""
+    A batch runs the first 4 prompts a slot, at least 8 (batches 1 and 2: 8 of the 32, a quarter
+    of the rounds; 8 rows and more: all 32), so every batch is still refilled."""
     base, ids, refs = workload(arch)
     p = ModelPair(base.target, pair(arch, draft_kind).draft, None, base.vocab_size, base.eos_token_ids)
     for method in ("eqspec", "exspec"):
