@@ -98,6 +98,19 @@ def fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def load_engine(target, draft, config, dtype, device):
+    """`SpecEngine.from_pretrained` under a spinner. On a machine's first run it also times the
+    CPU's matrix kernels (about 20 s for the bundled pair on a 2-core EPYC) and, with --adaptive
+    (the default), the models' step costs; both are kept on disk (`cache.py`) for later runs."""
+    from .cache import cache_dir
+    from .engine import SpecEngine
+
+    where = cache_dir()
+    note = f"cached in {where}" if where is not None else "not cached: BATCHSPEC_CACHE=off"
+    with console.status(f"loading the models (a machine's first run also times its kernels and step costs; {note})"):
+        return SpecEngine.from_pretrained(target, draft, config, dtype=dtype, device=device)
+
+
 def sampling_params(max_new_tokens, temperature, top_k, top_p, seed, count, stop=None):
     from .sampling import SamplingParams, request_seed
 
@@ -161,7 +174,6 @@ def generate(
 
     With --ray, `--workers` Ray actors share the prompts; outputs still come in input order, and
     --output ending in .parquet writes Parquet."""
-    from .engine import SpecEngine
     from .prompts import chat_token_ids
 
     try:
@@ -191,7 +203,7 @@ def generate(
                             rows=rows_per_call, target=target, draft=draft, seed=seed, dtype=dtype, device=device,
                             chat=chat, output=output, quiet=quiet, console=console, progress_bar=progress_bar)
             return
-        engine = SpecEngine.from_pretrained(target, draft, config, dtype=dtype, device=device)
+        engine = load_engine(target, draft, config, dtype, device)
         inputs = chat_token_ids(engine.pair.tokenizer, texts) if chat else texts
         with progress_bar() as bar:
             task = bar.add_task(f"{method} bs={batch_size}", total=len(texts), toks=0)
@@ -515,7 +527,6 @@ def serve(
                                       "are in the engine, leaving the other cores to the HTTP side (0 = never)"),
 ):
     """Serve the engine over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
-    from .engine import SpecEngine
     from .server import serve as run_server
 
     try:
@@ -528,7 +539,7 @@ def serve(
             raise ValueError(f"--max-waiting must be >= 0, got {max_waiting}")
         if few_rows < 0:
             raise ValueError(f"--single-thread-rows must be >= 0, got {few_rows}")
-        engine = SpecEngine.from_pretrained(target, draft, config, dtype=dtype, device=device)
+        engine = load_engine(target, draft, config, dtype, device)
     except ValueError as exc:
         fail(str(exc))
     name = served_model_name or target or "batchspec/default_pair"
