@@ -364,3 +364,12 @@ verify_exact verify_wave40
 batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
   --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 4 --workload plain \
   --json docs/results/wave41_drafters_plain.json
+# Wave 42 (the AMD EPYC, engine code unchanged from wave 40): issue 19's command at 2 and 4 rows,
+# which the EPYC had not measured, and `generate`'s own workload (the default) as a bench table:
+issue19_at 2,4 wave42_adaptive_2to4
+batchspec bench --methods autoregressive,eqspec --batch-sizes 8 --gamma 4 --drafters hybrid --adaptive off,on --twin \
+  --num-prompts 8 --max-new-tokens 128 --repeat 5 --json docs/results/wave42_default.json
+# ... and issue 20's drafters on `echo` on the EPYC, 3 repeats:
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
+  --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
+  --json docs/results/wave42_drafters_echo.json
