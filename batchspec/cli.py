@@ -76,11 +76,16 @@ BUDGET = typer.Option(None, "--budget", help="TETRIS: verify at most this many d
                                              "drafts, counted first")
 
 
+DRAFT_WINDOW = typer.Option(EngineConfig.draft_window, "--draft-window",
+                            help="The draft model's context per request: its first 4 tokens and its last N to 2N "
+                                 "(StreamingLLM's sinks and window); 0 = the whole context. Changes no output")
+
+
 def engine_options(refill: str, max_kv_tokens: int | None, max_prefill_tokens: int, adaptive: bool = True,
-                   budget: int | None = None) -> dict:
-    """The serving options every command passes to EngineConfig alike."""
+                   budget: int | None = None, draft_window: int | None = EngineConfig.draft_window) -> dict:
+    """The serving options every command passes to EngineConfig alike (draft_window 0: None)."""
     return dict(refill=refill, max_kv_tokens=max_kv_tokens, max_prefill_tokens=max_prefill_tokens, adaptive=adaptive,
-                budget=budget)
+                budget=budget, draft_window=None if draft_window == 0 else draft_window)
 
 
 def parse_list(text: str, kind=str, name: str = "list") -> list:
@@ -163,7 +168,7 @@ def generate(
     temperature: float = TEMPERATURE, top_k: int = TOP_K, top_p: float = TOP_P, seed: int = SEED,
     window: int = WINDOW, sort_by_length: bool = SORT, drafter: str = DRAFTER, forward: str = FORWARD,
     refill: str = REFILL, max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL, adaptive: bool = ADAPTIVE,
-    budget: int = BUDGET,
+    budget: int = BUDGET, draft_window: int = DRAFT_WINDOW,
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable): the text is cut before it"),
     dtype: str = DTYPE, device: str = DEVICE,
     quiet: bool = typer.Option(False, "--quiet", help="Do not print completions"),
@@ -183,7 +188,8 @@ def generate(
         params = sampling_params(max_new_tokens, temperature, top_k, top_p, seed, len(texts), stop)
         config = EngineConfig(method=method, gamma=gamma, batch_size=batch_size, window=window,
                               sort_by_length=sort_by_length, drafter=drafter, forward=forward,
-                              **engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive, budget))
+                              **engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive, budget,
+                                               draft_window))
         if output is not None and not output.parent.exists():
             raise ValueError(f"output folder {output.parent} does not exist")
         ray_options = (workers, cpus_per_worker, gpus_per_worker, rows_per_call)
@@ -240,7 +246,7 @@ def verify(
     prompts: Path = PROMPTS, num_prompts: int = typer.Option(16, "--num-prompts"),
     drafter: str = DRAFTER, window: int = WINDOW, forward: str = FORWARD,
     refill: str = REFILL, max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL, adaptive: bool = ADAPTIVE,
-    budget: int = BUDGET,
+    budget: int = BUDGET, draft_window: int = DRAFT_WINDOW,
     hf_check: int = typer.Option(3, "--hf-check", help="Prompts on which the reference is checked against "
                                                         "transformers' generate (0 = skip)"),
     temperature: float = typer.Option(0.0, "--temperature", help="> 0: check the sampling distribution instead"),
@@ -258,7 +264,7 @@ def verify(
     try:
         method_list = parse_list(methods, str, "--methods")
         sizes = parse_list(batch_sizes, int, "--batch-sizes")
-        options = engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive, budget)
+        options = engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive, budget, draft_window)
         for m in method_list:
             for bs in sizes:
                 EngineConfig(method=m, batch_size=bs, gamma=gamma, drafter=drafter,
@@ -285,7 +291,8 @@ def verify(
 
 
 def _options(config: dict) -> dict:
-    return {k: config[k] for k in ("refill", "max_kv_tokens", "max_prefill_tokens", "adaptive", "budget")}
+    return {k: config[k] for k in ("refill", "max_kv_tokens", "max_prefill_tokens", "adaptive", "budget",
+                                   "draft_window")}
 
 
 def _verify_greedy(pair, ids, methods, sizes, gamma, params, drafter, window, hf_check, config, json_path) -> bool:
@@ -375,6 +382,9 @@ def bench(
     refill: str = typer.Option("continuous", "--refill", help="Comma-separated: continuous, none (the paper's fixed "
                                                               "batches)"),
     max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL,
+    draft_window: str = typer.Option(str(EngineConfig.draft_window), "--draft-window",
+                                     help="Comma-separated windows of the draft model's context for eqspec/exspec "
+                                          "(see generate --draft-window): 128, 0 = the whole context, or 128,0"),
     adaptive: str = typer.Option("on", "--adaptive", help="Comma-separated for eqspec/exspec: on (γ chosen per "
                                                           "round, at most --gamma; the default), off (fixed γ)"),
     budget: str = typer.Option("none", "--budget", help="Comma-separated TETRIS budgets for eqspec/exspec: none, "
@@ -436,12 +446,15 @@ def bench(
             raise ValueError(f"--budget takes none, counts like 24 or multiples like 2x, got {budget!r}")
         plan(method_list, sizes, gammas, drafter_list, False, twin=twin)  # its checks, before any model loads
         options = dict(max_kv_tokens=max_kv_tokens, max_prefill_tokens=max_prefill_tokens)
+        draft_windows = [w or None for w in parse_list(draft_window, int, "--draft-window")]
         for m in method_list:
             for bs in sizes:
                 for g in gammas:
                     for f in forward_list:
                         for r in refills:
-                            EngineConfig(method=m, batch_size=bs, gamma=g, forward=f, refill=r, **options)
+                            for w in draft_windows:
+                                EngineConfig(method=m, batch_size=bs, gamma=g, forward=f, refill=r, draft_window=w,
+                                             **options)
         texts = apply_workload(workload, read_prompts(None, prompts, num_prompts))
         params = [replace(p, max_new_tokens=n) for p, n in
                   zip(sampling_params(1, temperature, top_k, top_p, seed, len(texts)),
@@ -467,7 +480,7 @@ def bench(
             report = run_bench(pair, ids, params, methods=method_list, batch_sizes=sizes, gammas=gammas,
                                drafters=drafter_list, peers=peers == "hf", repeat=repeat, windows=windows,
                                forwards=forward_list, refills=refills, adaptives=[a == "on" for a in adaptives],
-                               budgets=budgets, twin=twin, pairing=pairing,
+                               budgets=budgets, twin=twin, pairing=pairing, draft_windows=draft_windows,
                                engine_options=options,
                                sort_by_length=sort_by_length, profile=profile, progress=step)
     except ValueError as exc:
@@ -512,7 +525,7 @@ def serve(
                                    help="Rows verified together per round (default: EngineConfig's, 8)"),
     gamma: int = GAMMA, window: int = WINDOW, drafter: str = DRAFTER, forward: str = FORWARD, refill: str = REFILL,
     max_kv_tokens: int = MAX_KV, max_prefill_tokens: int = MAX_PREFILL, adaptive: bool = ADAPTIVE,
-    budget: int = BUDGET, dtype: str = DTYPE,
+    budget: int = BUDGET, draft_window: int = DRAFT_WINDOW, dtype: str = DTYPE,
     device: str = DEVICE,
     max_waiting: int = typer.Option(256, "--max-waiting", help="Requests allowed to wait for a row; more get 429"),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback unless told otherwise)"),
@@ -534,7 +547,8 @@ def serve(
         config = EngineConfig(method=method or defaults.method, gamma=gamma,
                               batch_size=batch_size or defaults.batch_size, window=window, drafter=drafter,
                               forward=forward,
-                              **engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive, budget))
+                              **engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive, budget,
+                                               draft_window))
         if max_waiting < 0:
             raise ValueError(f"--max-waiting must be >= 0, got {max_waiting}")
         if few_rows < 0:

@@ -48,6 +48,12 @@ class EngineConfig:
     budget        TETRIS: verify at most this many draft tokens per round across the batch, chosen by
                   estimated cumulative acceptance (only prefixes of rows' drafts); with adaptive the
                   policy otherwise chooses the budget itself each round (sched/adaptive.py).
+    draft_window  the draft model's context per request: its first 4 tokens and its last
+                  draft_window to 2 x draft_window (StreamingLLM's sinks and window; see
+                  drafters/model.py), re-cut when it would grow past that; None: the whole request.
+                  Drafts only propose, so no output changes; it bounds what a draft step attends
+                  over and what the draft model catches up on (at the default, a prompt longer than
+                  260 tokens enters it cut to 132).
     debug         check the KV layout invariants at every commit.
     profile       synchronise the device at stage boundaries so stage timers are exact on CUDA.
     """
@@ -65,6 +71,7 @@ class EngineConfig:
     fuse_prefill: bool = True
     adaptive: bool = True
     budget: int | None = None
+    draft_window: int | None = 128
     debug: bool = False
     profile: bool = False
 
@@ -88,6 +95,9 @@ class EngineConfig:
             raise ValueError(f"max_kv_tokens must be a positive integer (tokens per model), got {self.max_kv_tokens!r}")
         if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
             raise ValueError(f"budget must be a positive integer (drafts verified per round), got {self.budget!r}")
+        if self.draft_window is not None and (not isinstance(self.draft_window, int) or self.draft_window < 1):
+            raise ValueError(f"draft_window must be a positive integer (tokens) or None (the whole context), "
+                             f"got {self.draft_window!r}")
         if not isinstance(self.fuse_prefill, bool):
             raise ValueError(f"fuse_prefill must be True or False, got {self.fuse_prefill!r}")
         if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 1:

@@ -92,7 +92,9 @@ class SpecEngine:
             self.drafter = make_drafter(cfg.drafter, draft_runner=self.draft_runner, device=self.device,
                                         vocab_size=pair.vocab_size, compute_reference=self._oracle_reference)
         self.policy = self._policy() if (cfg.adaptive or cfg.budget is not None) and cfg.speculative else None
-        model = model_drafter(self.drafter)
+        model = self.draft_model = model_drafter(self.drafter)  # the draft model's drafter (a hybrid's part), or None
+        if model is not None:
+            model.window = cfg.draft_window
         if model is not None and self.policy is not None:  # TETRIS ranks greedy drafts by q(d_j), and the
             model.report_confidence = True  # policy stops a row's drafting when its next draft is not worth a step
             model.stop = self.policy.cut if self.policy.cost is not None else None

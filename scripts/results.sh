@@ -373,3 +373,16 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 8 --gamma 4 --draf
 batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
   --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
   --json docs/results/wave42_drafters_echo.json
+# Wave 43: the draft model's window (`--draft-window`, default 128) against its whole context, on
+# both workloads, adaptive (draft_model and hybrid) and fixed γ = 4 (draft_model), 3 repeats:
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,hybrid --adaptive on \
+  --draft-window 128,0 --twin --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
+  --json docs/results/wave43_draft_window_echo.json
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,hybrid --adaptive on \
+  --draft-window 128,0 --twin --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 4 --workload plain \
+  --json docs/results/wave43_draft_window_plain.json
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model --adaptive off \
+  --draft-window 128,0 --twin --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 4 --workload plain \
+  --json docs/results/wave43_draft_window_fixed.json
+# ... and exactness on the final code of wave 43 (the draft model's window of 128, the default):
+verify_exact verify_wave43

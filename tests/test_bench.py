@@ -304,6 +304,15 @@ def test_plan_says_when_assisted_cannot_run():
     assert any("not run" in n for n in notes)
 
 
+def test_plan_runs_each_draft_window_for_the_speculative_cells_only():
+    """--draft-window 128,0: every eqspec cell twice, named apart where the window is not the
+    default; autoregressive once."""
+    cells, _ = plan(["autoregressive", "eqspec"], [4], [3], ["draft_model"], peers=False,
+                    draft_windows=[EngineConfig.draft_window, None])
+    assert [c.name for c in cells] == ["autoregressive", "eqspec[adaptive]", "eqspec[adaptive,draft-window=all]"]
+    assert [c.draft_window for c in cells[1:]] == [EngineConfig.draft_window, None]
+
+
 def test_forward_rows_compare_within_their_forward(tiny_dirs):
     """--forward auto,hf: each method twice; a row's speed-up is over autoregressive through the same
     forward, the peers' over our default one, and the step costs are measured per forward."""
@@ -367,9 +376,10 @@ def test_cli_bench_and_verify(tiny_dirs, tmp_path):
                                                              "acceptance.png"}
     vout = tmp_path / "verify.json"
     result = runner.invoke(app, ["verify", *common, "--methods", "eqspec,exspec", "--batch-sizes", "1,3",
-                                 "--json", str(vout)])
+                                 "--draft-window", "2", "--json", str(vout)])
     assert result.exit_code == 0, result.output
     verified = json.loads(vout.read_text())
+    assert verified["config"]["draft_window"] == 2
     rows = verified["results"]
     assert verified["divergence_note"] is None and "note: divergence" not in result.output
     assert all({"method", "batch_size", "num_prompts", "exact_match", "partial_match"} <= set(r) for r in rows)

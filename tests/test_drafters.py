@@ -537,7 +537,8 @@ def test_the_gate_charges_a_model_round_its_share_of_the_catch_up(monkeypatch):
         return DraftProposal(torch.zeros(len(reqs), gamma, dtype=torch.long), None)
 
     runner = SimpleNamespace(name="draft", device=CPU)
-    model = SimpleNamespace(runner=runner, propose=model_propose, observe=lambda reqs, accepted: None)
+    model = SimpleNamespace(runner=runner, propose=model_propose, observe=lambda reqs, accepted: None,
+                            feeds=lambda req: req.num_tokens - req.kv_len["draft"])
     lookup = SimpleNamespace(label="none", catch_up_s=0.0, find=lambda req, limit: ([], []))
     hybrid = HybridDrafter(model, lookup)
     hybrid.gate = ModelGate(weight=1.0)

@@ -64,6 +64,7 @@ def test_prompt_longer_than_context(engine):
     (dict(gamma=0), "gamma must be"), (dict(batch_size=0), "batch_size must be"),
     (dict(method="beam"), "unknown method"), (dict(method="eqspec", window=4), "window applies"),
     (dict(method="exspec", batch_size=8, window=4), "must be >= batch_size"),
+    (dict(draft_window=0), "draft_window must be"), (dict(draft_window=2.5), "draft_window must be"),
 ])
 def test_invalid_engine_config(kwargs, message):
     with pytest.raises(ValueError, match=message):

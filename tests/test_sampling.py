@@ -39,11 +39,11 @@ def models():
 
 
 @torch.no_grad()
-def exact_joint(sp: SamplingParams) -> torch.Tensor:
+def exact_joint(sp: SamplingParams, prompt: list[int] = PROMPT) -> torch.Tensor:
     """P(t1, t2) under the target alone: [V, V]."""
     target, _ = models()
-    p1 = warped_probs(target(torch.tensor([PROMPT])).logits[:, -1], sp)[0]
-    prefixes = torch.tensor([PROMPT + [t] for t in range(V)])
+    p1 = warped_probs(target(torch.tensor([prompt])).logits[:, -1], sp)[0]
+    prefixes = torch.tensor([prompt + [t] for t in range(V)])
     p2 = warped_probs(target(prefixes).logits[:, -1], sp)
     return p1[:, None] * p2
 
@@ -53,7 +53,7 @@ def samples(sp: SamplingParams, method: str, batch_size: int, gamma: int, seed: 
 
 
 def sampled(sp: SamplingParams, method: str, batch_size: int, gamma: int, seed: int = 0, seeded: bool = True,
-            **config) -> tuple[torch.Tensor, SpecEngine]:
+            prompt: list[int] = PROMPT, **config) -> tuple[torch.Tensor, SpecEngine]:
     """N samples of (t1, t2) from the engine, [N, 2], and the engine. Each request generates 2 + γ tokens so that
     its first round drafts the full γ (a row drafts no more than it can still emit). seeded=False:
     requests without a seed (a policy plans their draft lengths; a seeded row is held at fixed γ),
@@ -66,7 +66,7 @@ def sampled(sp: SamplingParams, method: str, batch_size: int, gamma: int, seed: 
     params = [SamplingParams(temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p, max_new_tokens=2 + gamma,
                              seed=request_seed(seed, i) if seeded else None) for i in range(N)]
     random.seed(seed)
-    outs = engine.generate([PROMPT] * N, params)
+    outs = engine.generate([prompt] * N, params)
     return torch.tensor([o.token_ids[:2] for o in outs]), engine
 
 
@@ -104,6 +104,17 @@ def test_tetris_budget_sampling_matches_the_target():
     stats = engine.stats
     assert stats.drafted <= 20 * stats.rounds and stats.gamma_hist[1] + stats.gamma_hist[2] > 0
     assert chi_square(draws, exact_joint(SamplingParams(temperature=1.0))) > ALPHA
+
+
+def test_a_windowed_draft_model_samples_the_target():
+    """A 12-token prompt and a draft window of 1: the draft model drafts from the prompt's first 4
+    tokens and its last (drafters/model.py), a q of its own, and rejection sampling still draws
+    the target's distribution."""
+    prompt = [3, 1, 4, 1, 5, 0, 2, 6, 5, 3, 5, 7]
+    sp = SamplingParams(temperature=1.0)
+    draws, engine = sampled(sp, "eqspec", 16, 3, prompt=prompt, draft_window=1)
+    assert 0 < engine.stats.accepted < engine.stats.drafted
+    assert chi_square(draws, exact_joint(sp, prompt)) > ALPHA
 
 
 def test_acceptance_is_ragged_in_the_sampling_tests():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from statistics import mean
 
+from ..config import EngineConfig
 from ..core.forward import lean_unsupported
 from .costs import ideal_speedup, step_costs
 from .machine import machine_info
@@ -14,12 +15,13 @@ from .runner import Bench, Cell, measure_costs, plan, summarize
 def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, gammas, drafters=("draft_model",),
               peers: bool = False, repeat: int = 1, windows=("4x",), forwards=("auto",), refills=("continuous",),
               adaptives=(True,), budgets=("none",), sort_by_length=False, profile=False, progress=None,
-              engine_options: dict | None = None, twin: bool = False, pairing: str = "steps") -> dict:
+              engine_options: dict | None = None, twin: bool = False, pairing: str = "steps",
+              draft_windows=(EngineConfig.draft_window,)) -> dict:
     """Run the grid and return the JSON-ready report: {machine, config, notes, results}. twin: a
     second autoregressive engine per batch size, the run's noise floor (`plan`, `noise_floor`).
     pairing: how the cells of a repeat share the machine (`Bench.measure`)."""
     cells, notes = plan(list(methods), list(batch_sizes), list(gammas), list(drafters), peers, list(windows),
-                        list(forwards), list(refills), list(adaptives), list(budgets), twin)
+                        list(forwards), list(refills), list(adaptives), list(budgets), twin, list(draft_windows))
     new_tokens = sorted({p.max_new_tokens for p in params})
     if peers and len(new_tokens) > 1:
         raise ValueError("the transformers peers take one max_new_tokens for a whole batch; drop --peers with a "
@@ -54,7 +56,7 @@ def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, g
         "drafters": list(drafters), "peers": ["hf_generate", "hf_assisted"] if peers else [], "repeat": repeat,
         "pairing": pairing,
         "windows": list(windows), "forwards": list(forwards), "refills": list(refills), "adaptives": list(adaptives),
-        "budgets": list(budgets), "twin": twin,
+        "budgets": list(budgets), "twin": twin, "draft_windows": list(draft_windows),
         **(engine_options or {}),
         "auto_forward": {name: "lean" if lean_unsupported(m) is None else f"hf ({lean_unsupported(m)})"
                          for name, m in (("target", pair.target), ("draft", pair.draft)) if m is not None},

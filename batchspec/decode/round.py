@@ -115,8 +115,10 @@ def run_round(engine, batch: list[Request], stats: RunStats) -> None:
             # a one-off cost that serves the rounds it drafts for the request from now on, so a round
             # is charged its share (`catch_up_share`), priced per token fed (`CostModel.catch_up`)
             share = engine.drafter.model_share() if lookups else 1.0
-            first_fed = [1 + policy.catch_up(len(batch), (max(1, r.num_tokens - r.kv_len.get("draft", 0)) - 1)
-                                             * policy.catch_up_share(r, share)) for r in batch]
+            model = engine.draft_model  # (None: a synthetic drafter run at the draft model's cost)
+            feeds = [model.feeds(r) if model is not None else r.num_tokens - r.kv_len.get("draft", 0) for r in batch]
+            first_fed = [1 + policy.catch_up(len(batch), (max(1, n) - 1) * policy.catch_up_share(r, share))
+                         for r, n in zip(batch, feeds)]
         # a hybrid drafter's lookups, done first: what a row's lookup proposes bounds its length, and
         # a row the lookup drafts costs no draft-model step (first_fed 0, sched/adaptive.py). Whether
         # even free drafts would pay (`may_speculate`) is asked first, but only after a plain round:

@@ -271,9 +271,8 @@ class HybridDrafter:
         # fed (a row fed once normally has 1 or 2 tokens unseen). Left out whole, a request the
         # lookup serves almost alone paid a ~700-token catch-up for a model round or two (echo
         # workload, batch 1: 0.3-0.45 s of catch-ups in 8 s, the hybrid 6 % behind `suffix`)
-        name = self.model.runner.name
         drafting = sum(caps[i] for i in rows)
-        behind = [max(0, reqs[i].num_tokens - reqs[i].kv_len.get(name, 0) - 2) for i in rows]
+        behind = [max(0, self.model.feeds(reqs[i]) - 2) for i in rows]
         share = self.model_share()
         spared = sum(n * (1.0 - AdaptivePolicy.catch_up_share(reqs[i], share)) for n, i in zip(behind, rows))
         model_start = time.perf_counter()

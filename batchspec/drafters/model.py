@@ -1,13 +1,30 @@
-"""Drafting with a small causal LM that keeps its own KV cache across rounds."""
+"""Drafting with a small causal LM that keeps its own KV cache across rounds.
+
+The draft model's context can be a window (`window` W, `EngineConfig.draft_window`): its row of a
+request holds the request's first SINKS tokens and its last W to 2W, as StreamingLLM keeps a
+model's attention sinks and its recent tokens (Xiao et al. 2023; MagicDec drafts with such a
+cache at large batch sizes). A feed that would take the row past SINKS + 2W re-cuts it: the row
+starts again from its first SINKS tokens and the last W of what it has seen. Drafts only propose,
+so this changes no output (verification keeps the target's greedy tokens, and rejection sampling
+uses the q the drafts were drawn from); it bounds what a draft step attends over and what a draft
+model catches up on: at most SINKS + W tokens where it would have fed a whole prompt.
+
+Example, W = 4, SINKS = 2 (4 in the engine), a prompt of 15 tokens t0..t14: the first feed is t0
+t1 t11..t14 (6 tokens, at the draft's positions 0..5; 9 skipped). The row grows by what the draft
+model drafts and the target accepts; when a feed would take it past 2 + 8 = 10 tokens, it is cut
+again to t0 t1 and the last 4 tokens.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from ..core.request import Request
-from ..core.runner import ModelRunner, content_ids
+from ..core.runner import ModelRunner
 from ..sampling import BatchSampling, probabilities, sample
 from .base import DraftProposal
+
+SINKS = 4  # a windowed row keeps its request's first tokens (StreamingLLM's attention sinks)
 
 
 class DraftModelDrafter:
@@ -25,20 +42,57 @@ class DraftModelDrafter:
     # may cut rows' drafts short at `depth` from the q(d_j) drafted so far (`AdaptivePolicy.cut`)
     stop = None
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, window: int | None = None) -> None:
         self.runner = runner
-        self._unseen: list[int] = []
+        self.window = window  # None: a row holds its whole request (see the module docstring)
+        self._skipped: dict[int, int] = {}  # request index -> its tokens after the sinks its row leaves out
+        self._unseen: list[int] = []  # what each row was fed first this round (what it had not seen)
         self._lengths: list[int] = []
 
+    def unseen(self, req: Request, end: int | None = None) -> int:
+        """How many of `req`'s tokens before `end` (default: all) the draft model has not seen."""
+        end = req.num_tokens if end is None else end
+        held = req.kv_len.get(self.runner.name, 0)
+        return end - (self._skipped.get(req.index, 0) if held else 0) - held  # (an empty row skips nothing)
+
+    def feeds(self, req: Request) -> int:
+        """How many tokens catching `req`'s row up feeds it: what it has not seen, or a window's
+        worth where that re-cuts the row."""
+        unseen = self.unseen(req)
+        return SINKS + self.window if self._recut(req, unseen) else unseen
+
+    def _recut(self, req: Request, unseen: int) -> bool:
+        return self.window is not None and req.kv_len.get(self.runner.name, 0) + unseen > SINKS + 2 * self.window
+
+    def _catch_up(self, reqs: list[Request], ends: list[int], counts: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """[b, max fed] ids that feed row i what it has not seen of reqs[i] before ends[i] (counts[i]
+        tokens) or, where that would take it past its window, the request's first SINKS tokens and
+        its last `window` (the row re-cut: its KV is written again from column 0); and how many
+        tokens each row is fed."""
+        rows = []
+        for r, end, count in zip(reqs, ends, counts):
+            if count and self._recut(r, count):
+                r.kv_len[self.runner.name] = 0  # (called before anything is fed this round)
+                self._skipped[r.index] = end - SINKS - self.window
+                rows.append(r.token_ids[:SINKS] + r.token_ids[end - self.window:end])
+            else:
+                if not r.kv_len.get(self.runner.name, 0):
+                    self._skipped.pop(r.index, None)
+                rows.append(r.token_ids[end - count:end])
+        fed = [len(row) for row in rows]
+        width = max(fed)
+        ids = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long,
+                           device=self.runner.device)
+        return ids, fed
+
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
-        runner = self.runner
-        rows = [(r, e, e - r.kv_len.get(runner.name, 0)) for r, e in zip(reqs, ends)]
-        rows = [row for row in rows if row[2] > 0]
+        rows = [(r, e) for r, e in zip(reqs, ends) if self.unseen(r, e) > 0]
         if not rows:
             return
-        reqs, ends, counts = [r for r, _, _ in rows], [e for _, e, _ in rows], [c for _, _, c in rows]
-        runner.feed(reqs, content_ids(reqs, ends, counts, runner.device), counts, logits="none")
-        runner.commit(reqs, counts)
+        reqs, ends = [r for r, _ in rows], [e for _, e in rows]
+        ids, fed = self._catch_up(reqs, ends, [self.unseen(r, e) for r, e in rows])
+        self.runner.feed(reqs, ids, fed, logits="none")
+        self.runner.commit(reqs, fed)
 
     def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
                 sampling: BatchSampling, lengths: list[int] | None = None,
@@ -50,9 +104,9 @@ class DraftModelDrafter:
         and KV). The proposal's confidence is q(d_j), the draft's probability of its own token."""
         runner = self.runner
         self._lengths = lengths = list(lengths) if lengths is not None else [gamma] * len(reqs)
-        self._unseen = [r.num_tokens - r.kv_len.get(runner.name, 0) if n > 0 else 0 for r, n in zip(reqs, lengths)]
-        ends = [r.num_tokens for r in reqs]
-        logits = runner.feed(reqs, content_ids(reqs, ends, self._unseen, runner.device), self._unseen, logits="last")
+        unseen = [self.unseen(r) if n > 0 else 0 for r, n in zip(reqs, lengths)]
+        ids, self._unseen = self._catch_up(reqs, [r.num_tokens for r in reqs], unseen)
+        logits = runner.feed(reqs, ids, self._unseen, logits="last")
         tokens, probs, confidence = [], [], []
         asked, seen = list(lengths), [[] for _ in reqs]  # seen: q(d_1..d_j) per row, for `stop`
         for j in range(gamma):
@@ -95,6 +149,7 @@ class DraftModelDrafter:
                                   for u, a, n in zip(self._unseen, accepted, self._lengths)])
 
     def release(self, req: Request) -> None:
+        self._skipped.pop(req.index, None)
         self.runner.release(req)
 
     def forget(self) -> None:
