@@ -30,8 +30,9 @@ SINKS = 4  # a windowed row keeps its request's first tokens (StreamingLLM's att
 class DraftModelDrafter:
     """Each round feeds the draft model only what it has not seen (the last one or two tokens,
     or more after rounds without drafting), then γ - 1 of its own drafts, each row at its own
-    offset; after verification it commits the accepted prefix, so nothing is ever re-prefilled.
-    d_γ is never fed: when all drafts are accepted the next round feeds d_γ with the bonus token."""
+    offset; after verification it commits the accepted prefix, so nothing is fed twice but a
+    window's worth when a row is cut again (see the module docstring). d_γ is never fed: when all
+    drafts are accepted the next round feeds d_γ with the bonus token."""
 
     label = "draft_model"
     synthetic = False
