@@ -386,3 +386,9 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters 
   --json docs/results/wave43_draft_window_fixed.json
 # ... and exactness on the final code of wave 43 (the draft model's window of 128, the default):
 verify_exact verify_wave43
+# ... and, with the window (the default), `suffix` against the hybrid on `echo`, and issue 19's command at 32 rows:
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1 --drafters suffix,hybrid --adaptive on --twin \
+  --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo --json docs/results/wave43_echo_1.json
+batchspec bench --methods autoregressive,eqspec --batch-sizes 8,32 --drafters suffix,hybrid --adaptive on --twin \
+  --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo --json docs/results/wave43_echo_8_32.json
+issue19_at 32 wave43_adaptive_32
