@@ -392,3 +392,4 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 1 --drafters suffi
 batchspec bench --methods autoregressive,eqspec --batch-sizes 8,32 --drafters suffix,hybrid --adaptive on --twin \
   --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo --json docs/results/wave43_echo_8_32.json
 issue19_at 32 wave43_adaptive_32
+issue19_at 1 wave43_adaptive_1
