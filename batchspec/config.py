@@ -96,8 +96,8 @@ class EngineConfig:
         if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
             raise ValueError(f"budget must be a positive integer (drafts verified per round), got {self.budget!r}")
         if self.draft_window is not None and (not isinstance(self.draft_window, int) or self.draft_window < 1):
-            raise ValueError(f"draft_window must be a positive integer (tokens) or None (the whole context), "
-                             f"got {self.draft_window!r}")
+            raise ValueError(f"draft_window must be a positive integer (tokens), or None for the whole context "
+                             f"(--draft-window 0), got {self.draft_window!r}")
         if not isinstance(self.fuse_prefill, bool):
             raise ValueError(f"fuse_prefill must be True or False, got {self.fuse_prefill!r}")
         if not isinstance(self.max_prefill_tokens, int) or self.max_prefill_tokens < 1:

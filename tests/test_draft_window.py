@@ -142,3 +142,24 @@ def test_windowed_hybrid_is_exact(monkeypatch):
         engine = SpecEngine(p, EngineConfig(drafter="hybrid", batch_size=bs, gamma=3, draft_window=2, debug=True))
         assert [o.token_ids for o in run(engine, ids)] == refs
     assert cuts[0] > 0
+
+
+def test_a_plan_prices_a_windowed_row_by_what_its_feed_carries(monkeypatch):
+    """The policy charges a row's catch-up by the tokens its next feed carries
+    (`DraftModelDrafter.feeds`), never by the request's length less the row's: a cut row holds
+    far fewer tokens than its request, and would otherwise look that far behind every round."""
+    base, ids, _ = workload("llama")
+    p = ModelPair(base.target, pair("llama", "perturbed").draft, None, base.vocab_size, base.eos_token_ids)
+    engine = SpecEngine(p, EngineConfig(drafter="draft_model", batch_size=4, gamma=3, draft_window=2))
+    policy, seen = engine.policy, []
+    plan = policy.plan
+
+    def recorded(alphas, caps, weights=None, first_fed=None, **kwargs):
+        seen.append((len(caps), first_fed))
+        return plan(alphas, caps, weights, first_fed, **kwargs)
+
+    monkeypatch.setattr(policy, "plan", recorded)
+    run(engine, ids[:16])
+    assert seen and all(fed is not None for _, fed in seen)
+    most = max(f - 1 - policy.catch_up(rows, SINKS + 2 * 2) for rows, fed in seen for f in fed)
+    assert most <= 1e-9

@@ -522,14 +522,14 @@ def test_the_gate_charges_a_model_round_its_share_of_the_catch_up(monkeypatch):
     """A model round that first catches up on a row (its prompt, or what the lookup drafted) is
     charged the share of the catch-up a plan charges (`AdaptivePolicy.catch_up_share`); the rest
     serves later rounds and is left out, pro rata of the tokens fed. Here the draft model runs
-    1.04 s on a row 102 tokens behind (100 beyond the usual 2) with 4 to draft: a quarter of the
+    1.04 s on a row whose catch-up feeds it 102 tokens (`DraftModelDrafter.feeds`: 100 beyond the
+    usual 2) with 4 to draft: a quarter of the
     catch-up is charged, so 1.04 x 75 / 104 = 0.75 s is left out and the round records 0.29 s.
     Left out whole, a request the lookup serves almost alone paid a full catch-up for a model
     round or two that the gate never saw."""
     now = [0.0]
     monkeypatch.setattr(hybrid_module.time, "perf_counter", lambda: now[0])
-    row = request(range(110))
-    row.kv_len["draft"] = 8
+    row = request(range(110))  # (its draft row empty: a window's feed of 102 tokens, not all 110)
     monkeypatch.setattr(hybrid_module.AdaptivePolicy, "catch_up_share", staticmethod(lambda req, share=1.0: 0.25))
 
     def model_propose(reqs, gamma, uniforms, sampling, lengths=None):
@@ -538,7 +538,7 @@ def test_the_gate_charges_a_model_round_its_share_of_the_catch_up(monkeypatch):
 
     runner = SimpleNamespace(name="draft", device=CPU)
     model = SimpleNamespace(runner=runner, propose=model_propose, observe=lambda reqs, accepted: None,
-                            feeds=lambda req: req.num_tokens - req.kv_len["draft"])
+                            feeds=lambda req: 102)
     lookup = SimpleNamespace(label="none", catch_up_s=0.0, find=lambda req, limit: ([], []))
     hybrid = HybridDrafter(model, lookup)
     hybrid.gate = ModelGate(weight=1.0)

@@ -87,11 +87,11 @@ class DraftModelDrafter:
         return ids, fed
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
-        rows = [(r, e) for r, e in zip(reqs, ends) if self.unseen(r, e) > 0]
+        rows = [(r, e, n) for r, e in zip(reqs, ends) if (n := self.unseen(r, e)) > 0]
         if not rows:
             return
-        reqs, ends = [r for r, _ in rows], [e for _, e in rows]
-        ids, fed = self._catch_up(reqs, ends, [self.unseen(r, e) for r, e in rows])
+        reqs, ends = [r for r, _, _ in rows], [e for _, e, _ in rows]
+        ids, fed = self._catch_up(reqs, ends, [n for _, _, n in rows])
         self.runner.feed(reqs, ids, fed, logits="none")
         self.runner.commit(reqs, fed)
 
