@@ -393,3 +393,11 @@ batchspec bench --methods autoregressive,eqspec --batch-sizes 8,32 --drafters su
   --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo --json docs/results/wave43_echo_8_32.json
 issue19_at 32 wave43_adaptive_32
 issue19_at 1 wave43_adaptive_1
+# Wave 44 (the AMD EPYC, engine code of wave 43): issue 20's drafters with the draft model's window
+# (the default), all four drafters with the twin on both workloads, 3 repeats:
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
+  --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 4 --workload plain \
+  --json docs/results/wave44_drafters_plain.json
+batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
+  --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
+  --json docs/results/wave44_drafters_echo.json
