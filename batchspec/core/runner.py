@@ -74,11 +74,15 @@ def row_inputs(starts: list[int], n: int, width: int, device) -> tuple[torch.Ten
     return positions, visible[:, None]
 
 
+def padded_ids(rows: list[list[int]], device) -> torch.Tensor:
+    """[b, longest row] ids, each row right-padded with 0 (feed's counts say what is real)."""
+    n = max(map(len, rows))
+    return torch.tensor([row + [0] * (n - len(row)) for row in rows], dtype=torch.long, device=device)
+
+
 def content_ids(reqs: list[Request], ends: list[int], counts: list[int], device) -> torch.Tensor:
     """[b, max count] ids: row i holds its tokens [ends[i] - counts[i], ends[i]), right-padded with 0."""
-    n = max(counts)
-    rows = [r.token_ids[e - c:e] + [0] * (n - c) for r, e, c in zip(reqs, ends, counts)]
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return padded_ids([r.token_ids[e - c:e] for r, e, c in zip(reqs, ends, counts)], device)
 
 
 class ModelRunner:

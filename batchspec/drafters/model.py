@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..core.request import Request
-from ..core.runner import ModelRunner
+from ..core.runner import ModelRunner, padded_ids
 from ..sampling import BatchSampling, probabilities, sample
 from .base import DraftProposal
 
@@ -80,11 +80,7 @@ class DraftModelDrafter:
                 if not r.kv_len.get(self.runner.name, 0):
                     self._skipped.pop(r.index, None)
                 rows.append(r.token_ids[end - count:end])
-        fed = [len(row) for row in rows]
-        width = max(fed)
-        ids = torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long,
-                           device=self.runner.device)
-        return ids, fed
+        return padded_ids(rows, self.runner.device), [len(row) for row in rows]
 
     def prefill(self, reqs: list[Request], ends: list[int]) -> None:
         rows = [(r, e, n) for r, e in zip(reqs, ends) if (n := self.unseen(r, e)) > 0]
