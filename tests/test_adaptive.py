@@ -750,6 +750,30 @@ def test_a_profile_times_its_points_in_sweeps():
     assert order == ["a", "b"] * 7 and best == {"a": 2, "b": 3}
 
 
+def test_a_profile_stops_sweeping_once_its_budget_is_spent(monkeypatch):
+    """`fastest` with a budget: a model whose passes take 2 s each (by an injected clock) gets its two
+    warm-up sweeps and one timed sweep, then stops at 4 s past a 3 s budget, not after 7 sweeps."""
+    from batchspec.bench import costs
+
+    class Clock:
+        now = 0.0
+
+        @classmethod
+        def perf_counter(cls):
+            return cls.now
+
+    def runner():
+        Clock.now += 2.0
+        return 2.0
+
+    monkeypatch.setattr(costs, "time", Clock)
+    best = costs.fastest({"a": runner}, repeats=5, budget_s=3.0)
+    assert best == {"a": 2.0} and Clock.now == 6.0
+    Clock.now = 0.0
+    costs.fastest({"a": runner}, repeats=5)
+    assert Clock.now == 14.0  # no budget: every sweep
+
+
 def test_a_profile_holds_one_kv_buffer_per_model_and_row_count(monkeypatch):
     """The passes a profile times in sweeps are all set up at once, so each model's passes of one
     row count share one KV buffer, as wide as the widest (a buffer per pass would hold the grid's

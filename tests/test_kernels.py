@@ -187,3 +187,35 @@ def test_matmul_takes_either_kernel_over_any_rows_with_the_same_numbers(rows):
         out = matmul(x, w, b, plan)
         assert out.shape == linear.shape and out.is_contiguous()
         torch.testing.assert_close(out, linear)
+
+
+def test_a_large_model_is_measured_within_the_budget_over_a_stride_of_its_matrices(fresh):
+    """60 matrices at 10 ms a kernel call (by the test's clock): timed whole, 3 ladder sweeps would
+    take 3 x 2 x 68 x 0.6 s; the untimed pass says so and a stride of them is timed, the whole
+    measurement inside the budget (plus the pass and one sweep), every count timed."""
+    seen = []
+
+    def slow(x, w):
+        seen.append(id(w))
+        Clock.now += 0.01
+
+    matrices = weights(*[(8, 8)] * 60)
+    start = Clock.now
+    plan = kernels.kernel_plan(matrices, slow, kernel(lambda n: 0.01), repeats=7)
+    assert Clock.now - start < kernels.BUDGET_S + 3
+    timed = set(seen[60:])  # after the untimed pass over all of them
+    strides = [k for k in range(2, 61) if timed == {id(w) for w in matrices[::k]}]
+    assert len(strides) == 1, (len(timed), [matrices.index(w) for w in matrices if id(w) in timed])
+    assert len(plan.fed) == kernels.COUNTS[-1] + 1
+
+
+def test_one_sweep_is_always_whole_even_past_the_budget(fresh):
+    """A single matrix whose every call takes 1 s: the first sweep (136 calls) runs whole, no second."""
+    calls = []
+
+    def slow(x, w):
+        calls.append(x.shape[0])
+        Clock.now += 1.0
+
+    kernels.kernel_plan(weights((8, 8)), slow, slow, repeats=7)
+    assert len(calls) == 2 + 2 * len(kernels.COUNTS)  # the untimed pass, then one sweep of both kernels

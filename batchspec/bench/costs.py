@@ -68,17 +68,22 @@ def step_runner(model, batch: int, context: int, tokens: int, forward: str = "au
     return once
 
 
-def fastest(runners: dict, repeats: int) -> dict:
+def fastest(runners: dict, repeats: int, budget_s: float | None = None) -> dict:
     """The fastest of `repeats` runs of each runner (`step_runner`), timed in sweeps: every runner
     once per sweep, after two untimed sweeps. Other work on the machine only ever adds time, so
     the fastest run is the estimate; in sweeps, a slow spell of the machine falls on a run of
     several points, not on every run of one. Timed one point at a time, a profile of the bundled
     pair once read the draft model's step at 2.98 ms where three others read 1.39-1.52, and the
-    policy priced the draft model by it from then on (the profile is cached).
+    policy priced the draft model by it from then on (the profile is cached). With `budget_s`, no
+    timed sweep begins after the first once that many seconds have passed (a large model's
+    profile stays seconds long).
 
     Example, runners a, b and repeats 2: a b (warm-up) a b (warm-up) a b a b -> min per runner."""
     best = dict.fromkeys(runners, float("inf"))
+    start = time.perf_counter()
     for sweep in range(repeats + 2):
+        if sweep > 2 and budget_s is not None and time.perf_counter() - start > budget_s:
+            break
         for key, once in runners.items():
             seconds = once()
             if sweep >= 2:
@@ -106,6 +111,7 @@ def step_costs(target, draft, batch: int, context: int, gamma: int, forward: str
 _PROFILES: dict[tuple, dict] = {}
 STALE = 0.7  # a cached profile is measured again when a one-token pass now takes less than this share of it
 CATCH_UP = 32  # tokens one row is fed at once to price a drafter's catch-up (`catch_up_s`)
+PROFILE_BUDGET_S = 8.0  # seconds a profile's timed sweeps may take after the first (`fastest`)
 MODEL_FREE_STEP_S = 30e-6  # a model-free drafter's Python work per row per drafted token (scripts/drafter_cost.py)
 
 
@@ -151,7 +157,7 @@ def profile_costs(target, draft, rows: tuple[int, int], cols: tuple[int, ...], c
             widest[(model, r)] = max(widest.get((model, r), 0), context + max(c, first or 0))
         buffers = {(model, r): kv_buffer(model, r, width) for (model, r), width in widest.items()}
         timed = fastest({name: step_runner(model, r, context, c, forward, first, buffers[(model, r)])
-                         for name, (model, r, c, first) in passes.items()}, repeats)
+                         for name, (model, r, c, first) in passes.items()}, repeats, PROFILE_BUDGET_S)
         verify = {(r, c): timed[("verify", r, c)] for r in rows for c in cols}
         for i, r in enumerate(rows):  # a noisy machine can time a bigger pass faster: more never costs less
             for j, c in enumerate(cols):

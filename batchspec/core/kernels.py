@@ -56,11 +56,13 @@ EPYC above chose `F.linear` at 2 tokens (0.23 against 0.37 ms); over all of the 
 (57 MB) W @ xᵀ wins there (5.4 against 6.2 ms), and plain decoding at batch 2 made 105-114
 tokens/s with the first choice against 147-172 with the second. Measuring takes ~10 s for the
 bundled target and ~2 s for its draft on the EPYC, once per machine (the ladder's counts in the
-first LADDER_SWEEPS sweeps only: they take longest and vary least).
+first LADDER_SWEEPS sweeps only: they take longest and vary least), and never more than about
+BUDGET_S whatever the model: a larger one is timed over a stride of its matrices (`_measure`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import NamedTuple
 
@@ -75,6 +77,7 @@ LADDER = tuple(sorted({*STEPS, *(n + 1 for n in (DENSE, *STEPS[:-1]))}))  # the 
 COUNTS = (*range(1, DENSE + 1), *LADDER)  # token counts timed; above the last, F.linear as it is
 LADDER_SWEEPS = 3  # sweeps that time the ladder too: its counts take longest and vary least
 PAD_MARGIN = 0.05  # rows are added only where the larger count is this much faster: not on noise
+BUDGET_S = 8.0  # seconds the measurement may take, whatever the model (see `_measure`)
 _CHOSEN: dict[tuple, Plan] = {}
 
 
@@ -135,26 +138,48 @@ def _stored_plan(data) -> Plan | None:
 
 
 def _measure(weights: list[torch.Tensor], linear, mm, repeats: int) -> Plan:
+    """Times both kernels at every count in sweeps, within BUDGET_S seconds: after the first full
+    sweep, sweeps stop once the budget is spent. A model too large for that (one untimed pass over
+    its matrices says how long a sweep takes) is timed over every k-th of its matrices, still in
+    the order a forward reads them and still far more than the caches hold.
+
+    Example: SmolLM2-135M in float32 (121 matrices, 540 MB) took 12 minutes on a busy 2-core
+    EPYC timed whole; an untimed pass of 0.2 s over them estimates a ladder sweep at
+    2 kernels x 68 counts x 0.2 s x 2 = 54 s, so every 20th matrix is timed (27 MB): three
+    ladder sweeps in about 8 s."""
     kernels = (("linear", linear), ("mm", mm))
+    with torch.no_grad():
+        start = time.perf_counter()
+        for _, fn in kernels:  # untimed: the first pass over the matrices pays for what the rest do not
+            for w in weights:
+                fn(torch.randn(1, w.shape[1]), w)
+        sweep_s = (time.perf_counter() - start) * len(COUNTS) * 2  # a count's pass costs ~2x one token's, on average
+        weights = weights[:: max(1, math.ceil(sweep_s * LADDER_SWEEPS / BUDGET_S))]
+        return plan_from_times(*_sweeps(weights, kernels, repeats, start))
+
+
+def _sweeps(weights: list[torch.Tensor], kernels, repeats: int, start: float) -> tuple[dict, dict]:
+    """({(count, kernel): fastest seconds over `weights`}, {count: fastest padding seconds}): every
+    count once per sweep, the kernels alternating, so that a slow spell of a shared machine falls on
+    both and on many counts; the ladder in the first LADDER_SWEEPS sweeps only; no sweep begins
+    after the first once BUDGET_S has passed since `start`."""
     best = {(n, name): float("inf") for n in COUNTS for name, _ in kernels}
     pad_s = dict.fromkeys(COUNTS, float("inf"))  # adding a zero row to every matrix's input of n rows
-    with torch.no_grad():
-        inputs = {n: [torch.randn(n, w.shape[1]) for w in weights] for n in COUNTS}
-        for _, fn in kernels:  # untimed: the first pass over the matrices pays for what the rest do not
-            for w, x in zip(weights, inputs[1]):
-                fn(x, w)
-        for sweep in range(repeats):  # every count once per sweep, the kernels alternating: a slow
-            for n in COUNTS if sweep < LADDER_SWEEPS else COUNTS[:DENSE]:  # spell of a shared machine
-                for name, fn in kernels if sweep % 2 else kernels[::-1]:  # falls on both and on many counts
-                    start = time.perf_counter()
-                    for w, x in zip(weights, inputs[n]):
-                        fn(x, w)
-                    best[(n, name)] = min(best[(n, name)], time.perf_counter() - start)
-                start = time.perf_counter()
-                for x in inputs[n]:
-                    torch.cat((x, x.new_zeros(1, x.shape[1])))
-                pad_s[n] = min(pad_s[n], time.perf_counter() - start)
-    return plan_from_times(best, pad_s)
+    inputs = {n: [torch.randn(n, w.shape[1]) for w in weights] for n in COUNTS}
+    for sweep in range(repeats):
+        if sweep and time.perf_counter() - start > BUDGET_S:
+            break
+        for n in COUNTS if sweep < LADDER_SWEEPS else COUNTS[:DENSE]:
+            for name, fn in kernels if sweep % 2 else kernels[::-1]:
+                begin = time.perf_counter()
+                for w, x in zip(weights, inputs[n]):
+                    fn(x, w)
+                best[(n, name)] = min(best[(n, name)], time.perf_counter() - begin)
+            begin = time.perf_counter()
+            for x in inputs[n]:
+                torch.cat((x, x.new_zeros(1, x.shape[1])))
+            pad_s[n] = min(pad_s[n], time.perf_counter() - begin)
+    return best, pad_s
 
 
 def plan_from_times(seconds: dict[tuple[int, str], float], pad_s: dict[int, float]) -> Plan:
