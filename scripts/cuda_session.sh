@@ -6,7 +6,7 @@
 #   1. verify in float32, autoregressive included (bfloat16 rounds with the batch's shape: docs/gpu.md);
 #   2. bench on a fresh workload: the drafter forgets between runs, the whole workload warms up,
 #      --twin gives the noise floor, fixed γ 4 beside the adaptive default and the HF peers;
-#   3. the model-free drafters and the draft model on the repetitive workload (issue 20's table);
+#   3. the model-free drafters and the draft model on the repetitive workload (the drafters' table);
 #   4. the default step-paired with autoregressive and with itself without fused prefill
 #      (scripts/cuda_ab.py: the prompts prefilled inside the round's pass, never run on a GPU before);
 #   5. the adaptive policy's profile and decisions (scripts/cuda_policy.py).
