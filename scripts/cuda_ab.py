@@ -4,7 +4,7 @@ OVERRIDES (EngineConfig fields, e.g. fuse_prefill=false) a third engine, the def
 runs in the same rotation and is reported the same way ("alt").
 
 Usage: PYTHONPATH=. python scripts/cuda_ab.py DEVICE PROMPTS NEW_TOKENS REPEATS SIZES [OVERRIDES]
-       (docs/cuda.md, wave 31: cuda 64 32 3 8,32,64; wave 38: ... 8,32,64 fuse_prefill=false)"""
+       (docs/gpu.md: cuda 64 32 3 8,32,64; or ... 8,32,64 fuse_prefill=false)"""
 import contextlib
 import sys
 

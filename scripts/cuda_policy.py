@@ -1,6 +1,6 @@
 """The adaptive policy's cost profile, corrections, guard and decisions after two runs at batch 32 and 8.
 
-Usage: PYTHONPATH=. python scripts/cuda_policy.py DEVICE [PROMPTS NEW_TOKENS]   (docs/cuda.md; 64 x 32)"""
+Usage: PYTHONPATH=. python scripts/cuda_policy.py DEVICE [PROMPTS NEW_TOKENS]   (docs/gpu.md; 64 x 32)"""
 import sys
 import time
 

@@ -1,7 +1,7 @@
 """Where a round's time goes: AR vs the adaptive default vs fixed gamma 4 (and cProfile unless a 5th argument).
 
 Usage: PYTHONPATH=. python scripts/cuda_probe.py DEVICE BATCH PROMPTS NEW_TOKENS [noprof]
-(docs/cuda.md: the numbers it gave on an H200.) Engines are reused across runs and the drafter
+(docs/gpu.md: the numbers it gave on an H200.) Engines are reused across runs and the drafter
 does not forget, so a suffix trie has seen the same prompts' answers: speculative figures are an
 upper bound (`batchspec bench` forgets between runs)."""
 import cProfile

@@ -1,6 +1,6 @@
 """torch.profiler over one generate of the adaptive default, fixed gamma 4 and AR at batch 32.
 
-Usage: PYTHONPATH=. python scripts/cuda_profile.py DEVICE   (docs/cuda.md)"""
+Usage: PYTHONPATH=. python scripts/cuda_profile.py DEVICE   (docs/gpu.md)"""
 import sys
 
 from torch.profiler import ProfilerActivity, profile

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The CUDA measurements docs/cuda.md still lacks, sized for a lent GPU machine: each step has its
+# The CUDA measurements docs/gpu.md still lacks, sized for a lent GPU machine: each step has its
 # own time limit, 570 s in all, inside the device tool's 600 s a call. Runs with the
 # machine's own python3 and packages (torch, transformers, typer, rich: no install), from the
 # repository root:  OUT=<folder for results> bash scripts/cuda_session.sh
-#   1. verify in float32, autoregressive included (bfloat16 rounds with the batch's shape: docs/cuda.md);
+#   1. verify in float32, autoregressive included (bfloat16 rounds with the batch's shape: docs/gpu.md);
 #   2. bench on a fresh workload: the drafter forgets between runs, the whole workload warms up,
 #      --twin gives the noise floor, fixed γ 4 beside the adaptive default and the HF peers;
-#   3. the model-free drafters and the draft model on the repetitive workload (issue 20's table);
+#   3. the model-free drafters and the draft model on the repetitive workload (the drafters' table);
 #   4. the default step-paired with autoregressive and with itself without fused prefill
 #      (scripts/cuda_ab.py: the prompts prefilled inside the round's pass, never run on a GPU before);
 #   5. the adaptive policy's profile and decisions (scripts/cuda_policy.py).

@@ -192,7 +192,7 @@ def test_prefill_attention_by_row_equals_padded(arch, monkeypatch):
 
 
 def test_prefill_attends_by_row_on_a_cpu_only():
-    """On a GPU one padded attention call beats a call per row (docs/cuda.md: at 64 rows on an H100
+    """On a GPU one padded attention call beats a call per row (docs/gpu.md: at 64 rows on an H100
     the calls by row took 0.44 s of a 1.16 s run); decoding widths never attend by row."""
     from batchspec.core.forward import ROW_ATTENTION_TOKENS, attends_by_row
 

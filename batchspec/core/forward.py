@@ -38,7 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .kernels import Plan, kernel_plan, w_xt
 
 LEAN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# Attention kernels allowed on CUDA: all but cuDNN's, which (by torch.profiler: docs/cuda.md) costs
+# Attention kernels allowed on CUDA: all but cuDNN's, which (by torch.profiler: docs/gpu.md) costs
 # ~1 ms of CPU per call on shapes it has not met, a plan built per shape (H200, torch 2.11, bf16).
 # Speculative rounds feed a new (rows, tokens, keys) shape nearly every round: at batch 32 the
 # adaptive default spent 65 % of its time there and ran at 0.39x plain decoding (1421 tokens/s
@@ -113,7 +113,7 @@ FOLD_TOKENS = 32  # at most this many query tokens per row: `LeanForward._attend
 # A packed pass feeding more columns than this attends row by row (prefill), on a CPU only: on a GPU
 # the rows' kernel launches cost more than the padded layout's wasted query-key pairs (an H100, 64
 # bundled prompts x 32 new tokens at 64 rows: by row, 1264 attention calls took 0.44 s of a 1.16 s
-# run, docs/cuda.md).
+# run, docs/gpu.md).
 ROW_ATTENTION_TOKENS = 32
 # A verify pass (fewer columns, packed or not) attends row by row on a CPU where the padded layout
 # would compute more than this many query-key pairs a row that the rows' own widths do not need: a
