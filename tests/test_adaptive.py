@@ -751,8 +751,9 @@ def test_a_profile_times_its_points_in_sweeps():
 
 
 def test_a_profile_stops_sweeping_once_its_budget_is_spent(monkeypatch):
-    """`fastest` with a budget: a model whose passes take 2 s each (by an injected clock) gets its two
-    warm-up sweeps and one timed sweep, then stops at 4 s past a 3 s budget, not after 7 sweeps."""
+    """`fastest` with a budget: a model whose passes take 2 s each (by an injected clock) gets one
+    warm-up sweep (it took more than a quarter of the 3 s budget) and one timed sweep, then stops at
+    4 s, not after 7 sweeps; passes of 0.5 s get both warm-ups and as many timed sweeps as fit."""
     from batchspec.bench import costs
 
     class Clock:
@@ -768,10 +769,14 @@ def test_a_profile_stops_sweeping_once_its_budget_is_spent(monkeypatch):
 
     monkeypatch.setattr(costs, "time", Clock)
     best = costs.fastest({"a": runner}, repeats=5, budget_s=3.0)
-    assert best == {"a": 2.0} and Clock.now == 6.0
+    assert best == {"a": 2.0} and Clock.now == 4.0
     Clock.now = 0.0
     costs.fastest({"a": runner}, repeats=5)
     assert Clock.now == 14.0  # no budget: every sweep
+    Clock.now, seen = 0.0, []
+    costs.fastest({"a": lambda: seen.append(Clock.now) or setattr(Clock, "now", Clock.now + 0.5) or 0.5},
+                  repeats=5, budget_s=3.0)
+    assert len(seen) == 7 and Clock.now == 3.5  # 2 warm-ups, then sweeps while under 3 s: 5 timed
 
 
 def test_a_profile_holds_one_kv_buffer_per_model_and_row_count(monkeypatch):
