@@ -304,6 +304,17 @@ def test_plan_says_when_assisted_cannot_run():
     assert any("not run" in n for n in notes)
 
 
+def test_peers_without_a_draft_model_run_generate_and_say_why_not_assisted(tiny_dirs):
+    """A target alone (a model-free drafter): --peers hf at batch 1 runs transformers' generate and
+    leaves assisted generation out with a note, instead of failing for want of an assistant."""
+    pair = load_pair(tiny_dirs["target"], None, need_draft=False)
+    ids = [pair.tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    report = run_bench(pair, ids, [SamplingParams(max_new_tokens=4)] * 2, methods=["autoregressive", "eqspec"],
+                       batch_sizes=[1], gammas=[2], drafters=["ngram"], peers=True, adaptives=[False])
+    assert {r["method"] for r in report["results"]} == {"autoregressive", "eqspec", "hf_generate"}
+    assert any("needs a draft model" in n for n in report["notes"])
+
+
 def test_plan_runs_each_draft_window_for_the_speculative_cells_only():
     """--draft-window 128,0: every eqspec cell twice, named apart where the window is not the
     default; autoregressive once."""

@@ -22,6 +22,9 @@ def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, g
     pairing: how the cells of a repeat share the machine (`Bench.measure`)."""
     cells, notes = plan(list(methods), list(batch_sizes), list(gammas), list(drafters), peers, list(windows),
                         list(forwards), list(refills), list(adaptives), list(budgets), twin, list(draft_windows))
+    if pair.draft is None and any(c.method == "hf_assisted" for c in cells):
+        cells = [c for c in cells if c.method != "hf_assisted"]
+        notes.append("hf_assisted was not run: assisted generation needs a draft model, and none was loaded")
     new_tokens = sorted({p.max_new_tokens for p in params})
     if peers and len(new_tokens) > 1:
         raise ValueError("the transformers peers take one max_new_tokens for a whole batch; drop --peers with a "

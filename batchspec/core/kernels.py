@@ -77,7 +77,7 @@ LADDER = tuple(sorted({*STEPS, *(n + 1 for n in (DENSE, *STEPS[:-1]))}))  # the 
 COUNTS = (*range(1, DENSE + 1), *LADDER)  # token counts timed; above the last, F.linear as it is
 LADDER_SWEEPS = 3  # sweeps that time the ladder too: its counts take longest and vary least
 PAD_MARGIN = 0.05  # rows are added only where the larger count is this much faster: not on noise
-BUDGET_S = 8.0  # seconds the measurement may take, whatever the model (see `_measure`)
+BUDGET_S = 10.0  # seconds the measurement may take, whatever the model (see `_measure`)
 _CHOSEN: dict[tuple, Plan] = {}
 
 
