@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import typer
 
-from .bench import bench, echo_workload
-from .generate import generate
-from .loadtest import loadtest
-from .serve import serve
-from .verify import verify
+from . import bench, generate, loadtest, serve, verify
+from .bench import echo_workload
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Exact batch speculative decoding for Hugging Face causal LMs.")
-for command in (generate, verify, bench, serve, loadtest):
-    app.command()(command)
+for module in (generate, verify, bench, serve, loadtest):  # the modules stay reachable by their names
+    app.command()(getattr(module, module.__name__.rsplit(".", 1)[1]))
 
 __all__ = ["app", "echo_workload"]

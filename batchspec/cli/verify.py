@@ -121,9 +121,12 @@ def verify_greedy(pair, ids, methods, sizes, params, hf_check, engine, config, j
         results = run_equivalence(pair, ids, methods, sizes, params=params, references=refs, engine_options=rest,
                                   on_result=lambda r: bar.update(task, advance=1), **run)
     table = Table(title=f"output equivalence vs target-only greedy (bs=1): {len(ids)} prompts, "
-                        f"{params.max_new_tokens} new tokens, dtype {config['dtype']}")
-    for col in ("method", "batch", "gamma", "exact match", "partial match", "accepted/drafted", "acceptance"):
-        table.add_column(col, justify="right")
+                        f"{params.max_new_tokens} new tokens, dtype {config['dtype']}",
+                  caption="exact: share of prompts identical; partial: share of tokens before a divergence; "
+                          "accepted: of the draft tokens verified")
+    table.add_column("method", no_wrap=True)
+    for col in ("batch", "gamma", "exact", "partial", "accepted", "acceptance"):  # accepted: of the drafted
+        table.add_column(col, justify="right", no_wrap=True)
     for r in results:
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
         table.add_row(r["method"], str(r["batch_size"]), str(r["gamma"] or "-"), f"{r['exact_match']:.3f}",
