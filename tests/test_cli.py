@@ -220,3 +220,19 @@ def test_serve_keeps_max_batch_size_as_a_hidden_alias(monkeypatch):
     assert runner.invoke(app, ["serve", "--max-batch-size", "3"]).exit_code == 2
     assert seen[-1].batch_size == 3
     assert "--max-batch-size" in params("serve")["max_batch_size"].opts and params("serve")["max_batch_size"].hidden
+
+
+def test_derived_groups_stack_on_one_command():
+    """serve can take EngineConfig's options and a server dataclass's alike, each into its own dict."""
+    toy = typer.Typer()
+    built = []
+
+    @toy.command()
+    @derive(dataclass_options(Toy, panel="Server"), into="server")
+    @derive(dataclass_options(EngineConfig, include=("gamma", "adaptive")), into="engine")
+    def run(name: str = "x", engine: dict | None = None, server: dict | None = None):
+        built.append((name, EngineConfig(**engine), Toy(**server)))
+
+    result = runner.invoke(toy, ["--gamma", "3", "--no-adaptive", "--port", "1", "--name", "y"])
+    assert result.exit_code == 0, result.output
+    assert built == [("y", EngineConfig(gamma=3, adaptive=False), Toy(port=1))]
