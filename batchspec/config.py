@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 METHODS = ("autoregressive", "eqspec", "exspec")
 FORWARDS = ("auto", "lean", "hf")
@@ -58,22 +58,55 @@ class EngineConfig:
     profile       synchronise the device at stage boundaries so stage timers are exact on CUDA.
     """
 
-    method: str = "eqspec"
-    gamma: int = 4
-    batch_size: int = 8
-    window: int | None = None
-    sort_by_length: bool = False
-    drafter: str = "hybrid"
-    forward: str = "auto"
-    refill: str = "continuous"
-    max_kv_tokens: int | None = None
-    max_prefill_tokens: int = 2048
-    fuse_prefill: bool = True
-    adaptive: bool = True
-    budget: int | None = None
-    draft_window: int | None = 128
-    debug: bool = False
-    profile: bool = False
+    # Each field's metadata is how the command line shows it (batchspec/cli/options.py derives
+    # one option per field from it): "help" (short; the docstring above is the long form),
+    # "panel" (the --help panel, default "Engine"), "metavar", "none_as" (the value that means None),
+    # "cli": False (no option: fuse_prefill is an ablation switch for tests and benchmarks).
+    method: str = field(default="eqspec", metadata={
+        "help": "autoregressive (target only), eqspec (fixed batches) or exspec (a window of sequences)",
+        "metavar": "NAME"})
+    gamma: int = field(default=4, metadata={
+        "help": "Draft tokens per round (with --adaptive: the most a row drafts)", "metavar": "N"})
+    batch_size: int = field(default=8, metadata={
+        "help": "Rows verified together in one target pass", "metavar": "N"})
+    window: int | None = field(default=None, metadata={
+        "help": "exspec: sequences in flight (default: 4 x batch size)", "metavar": "N"})
+    sort_by_length: bool = field(default=False, metadata={
+        "help": "Admit prompts shortest first (outputs keep input order)"})
+    drafter: str = field(default="hybrid", metadata={
+        "help": "hybrid (suffix lookup where it matches, the draft model elsewhere while it pays), "
+                "draft_model, ngram[:min_n,max_n,k] (prompt lookup), suffix[:...] (suffix decoding over this "
+                "and earlier requests) or oracle:<p> (synthetic); parameters in docs/drafters.md",
+        "metavar": "SPEC"})
+    forward: str = field(default="auto", metadata={
+        "help": "auto (batchspec's lean forward for Llama-family models, else transformers' modules), lean "
+                "or hf", "panel": "Expert", "metavar": "NAME"})
+    refill: str = field(default="continuous", metadata={
+        "help": "continuous (a finished row is refilled at the next round) or none (the founding paper's "
+                "fixed batches)", "panel": "Expert", "metavar": "NAME"})
+    max_kv_tokens: int | None = field(default=None, metadata={
+        "help": "KV budget per model in tokens, allocated once (default: rows as long as the model context, "
+                "at most half the free memory)", "panel": "Expert",
+        "metavar": "N"})
+    max_prefill_tokens: int = field(default=2048, metadata={
+        "help": "Prompt-token slots per prefill forward (longer prompts are prefilled in chunks)",
+        "panel": "Expert", "metavar": "N"})
+    fuse_prefill: bool = field(default=True, metadata={"cli": False})
+    adaptive: bool = field(default=True, metadata={
+        "help": "Choose each row's draft length (0..gamma) every round from measured costs and acceptance; "
+                "--no-adaptive: every row drafts gamma"})
+    budget: int | None = field(default=None, metadata={
+        "help": "TETRIS: verify at most N drafts per round across the batch, the likeliest to be accepted "
+                "(default: none, or --adaptive's choice)", "panel": "Expert",
+        "metavar": "N"})
+    draft_window: int | None = field(default=128, metadata={
+        "help": "The draft model's context: its first 4 tokens and its last N to 2N (StreamingLLM's sinks "
+                "and window); 0 = all of it. Changes no output",
+        "panel": "Expert", "metavar": "N", "none_as": 0})
+    debug: bool = field(default=False, metadata={
+        "help": "Check the KV layout invariants at every commit (slow)", "panel": "Expert"})
+    profile: bool = field(default=False, metadata={
+        "help": "CUDA: synchronise at stage boundaries for exact time shares", "panel": "Benchmark"})
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -80,8 +80,9 @@ def run_equivalence(
     on_result: Callable[[dict], None] | None = None,
     engine_options: dict | None = None,
 ) -> list[dict]:
-    """Compare every method x batch size with the reference; one result dict per cell.
-    `engine_options` (refill, max_kv_tokens, max_prefill_tokens) go to every EngineConfig."""
+    """Compare every method x batch size with the reference; one result dict per cell, with the
+    draft tokens the cell verified (drafted) and accepted. `engine_options` (the other EngineConfig
+    fields: refill, max_kv_tokens, ...) go to every EngineConfig."""
     if not params.greedy:
         raise ValueError("output equivalence is defined for greedy decoding (temperature 0)")
     references = references if references is not None else reference_outputs(pair, prompts, params, forward)
@@ -100,7 +101,8 @@ def run_equivalence(
                 "method": method, "batch_size": bs, "num_prompts": len(prompts), "exact_match": exact,
                 "partial_match": partial, "gamma": gamma if config.speculative else None,
                 "drafter": engine.drafter.label if engine.drafter is not None else None,
-                "acceptance_rate": summary["acceptance_rate"],
+                "acceptance_rate": summary["acceptance_rate"], "drafted": summary["drafted"],
+                "accepted": summary["accepted"],
             }
             results.append(row)
             if on_result is not None:
@@ -219,5 +221,5 @@ def distribution_check(pair: ModelPair, prompts: list[list[int]], params: Sampli
         p_value = float(chisquare(obs, [e * scale for e in exp]).pvalue) if len(obs) > 1 else 1.0
         rows.append({"prompt": k, "samples": samples, "bins": len(keys), "distance": distance, "bound": bound,
                      "p_value": p_value, "passed": distance <= bound,
-                     "acceptance_rate": engine.last_run.summary()["acceptance_rate"]})
+                     **{k: engine.last_run.summary()[k] for k in ("acceptance_rate", "drafted", "accepted")}})
     return rows

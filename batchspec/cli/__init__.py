@@ -1,0 +1,18 @@
+"""The `batchspec` command line: one module per command (generate, verify, bench, serve, loadtest).
+
+The options that configure the engine are derived once from `EngineConfig`'s fields
+(`options.py`), so every command takes them under the same names, help and defaults."""
+
+from __future__ import annotations
+
+import typer
+
+from . import bench, generate, loadtest, serve, verify
+from .bench import echo_workload
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Exact batch speculative decoding for Hugging Face causal LMs.")
+for module in (generate, verify, bench, serve, loadtest):  # the modules stay reachable by their names
+    app.command()(getattr(module, module.__name__.rsplit(".", 1)[1]))
+
+__all__ = ["app", "echo_workload"]
