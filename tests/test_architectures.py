@@ -97,6 +97,7 @@ def workload(arch: str):
     return pair, ids, references(pair, ids, MAX_NEW)
 
 
+@pytest.mark.slow  # every architecture but llama (the fast tier's, tests/test_equivalence.py)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_reference_equals_transformers_generate(arch):
     pair, ids, refs = workload(arch)
@@ -106,6 +107,7 @@ def test_reference_equals_transformers_generate(arch):
     assert refs == hf
 
 
+@pytest.mark.slow  # every architecture but llama (the fast tier's, tests/test_equivalence.py)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("method", ["autoregressive", "eqspec", "exspec"])
 def test_every_method_and_batch_size_is_exact(arch, method):
@@ -159,6 +161,7 @@ def test_dynamic_ntk_rope_is_refused():
                                                                          method="autoregressive"))
 
 
+@pytest.mark.slow  # every architecture but llama (the fast tier's, tests/test_equivalence.py)
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen2-sliding", "mistral-window", "phi3-longrope"])
 def test_ragged_rows_match_transformers_logits(arch):
     """Logits, not only tokens (a window changes few argmaxes of a 2-layer model): two rows of

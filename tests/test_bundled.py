@@ -9,6 +9,8 @@ from batchspec.harness import reference_outputs, run_equivalence
 from batchspec.models import default_draft, default_target
 from batchspec.prompts import load_prompts
 
+pytestmark = pytest.mark.slow  # the bundled pair's own checks: about a minute
+
 
 @pytest.fixture(scope="module")
 def pair():

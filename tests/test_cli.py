@@ -152,6 +152,7 @@ def test_errors_are_one_line_with_exit_2():
         assert result.output.strip().startswith(f"error: {message}") and result.output.strip().count("\n") == 0
 
 
+@pytest.mark.slow  # a fresh interpreter imports everything
 def test_python_dash_m_runs_the_same_app():
     out = subprocess.run([sys.executable, "-m", "batchspec", "--help"], capture_output=True, text=True, check=True)
     assert "verify" in out.stdout and "loadtest" in out.stdout

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_equivalence import run, workload
-from tiny import ARCHS, make_model, pair
+from tiny import ARCH_PARAMS, make_model, pair
 
 from batchspec import EngineConfig, ModelPair, SamplingParams, SpecEngine
 from batchspec.core.request import Request
@@ -114,7 +114,7 @@ def counting_cuts(monkeypatch) -> list[int]:
     return cuts
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_windowed_draft_model_is_exact(arch, monkeypatch):
     """Prompts of 1-60 tokens, 20 new tokens and a window of 8 (rows of 12 to 20 tokens): longer
     prompts are cut on entry and rows again as they grow. The drafts change no output; they are

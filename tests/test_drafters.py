@@ -1024,7 +1024,8 @@ def ngram_samples(sp: SamplingParams, drafter: str = "ngram", gamma: int = 3) ->
     return torch.tensor([o.token_ids[:2] for o in outs]), engine
 
 
-@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3)])
+@pytest.mark.parametrize("sp", [SamplingParams(temperature=1.0),
+                                pytest.param(SamplingParams(temperature=0.8, top_k=3), marks=pytest.mark.slow)])
 def test_ngram_sampling_matches_the_target(sp):
     draws, engine = ngram_samples(sp)
     assert chi_square(draws, exact_joint(sp)) > 1e-4
@@ -1032,12 +1033,14 @@ def test_ngram_sampling_matches_the_target(sp):
     assert engine.stats.drafted > engine.stats.accepted > 0 and hist[0] > 0 and hist[1] + hist[2] + hist[3] > 0
 
 
+@pytest.mark.slow
 def test_suffix_sampling_matches_the_target():
     draws, engine = ngram_samples(SamplingParams(temperature=1.0), drafter="suffix")
     assert chi_square(draws, exact_joint(SamplingParams(temperature=1.0))) > 1e-4
     assert engine.stats.drafted > engine.stats.accepted > 0 and engine.stats.accept_hist[0] > 0
 
 
+@pytest.mark.slow
 def test_hybrid_sampling_matches_the_target():
     """Every batch mixes n-gram rows (one-hot q) and draft-model rows (the model's q)."""
     target, draft = models()

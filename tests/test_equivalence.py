@@ -13,7 +13,7 @@ import functools
 
 import pytest
 import torch
-from tiny import ARCHS, oracle_engine, pair, prompts, references
+from tiny import ARCH_PARAMS, oracle_engine, pair, prompts, references
 
 from batchspec import EngineConfig, ModelPair, SamplingParams, SpecEngine
 
@@ -44,7 +44,7 @@ def run(engine: SpecEngine, ids, max_new=MAX_NEW):
     return engine.generate(ids, SamplingParams(max_new_tokens=max_new))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])
 @pytest.mark.parametrize("gamma", GAMMAS)
 def test_oracle_ragged_acceptance_is_exact(arch, method, gamma):
@@ -62,7 +62,7 @@ def test_oracle_ragged_acceptance_is_exact(arch, method, gamma):
             assert o.finish_reason == ("stop" if r[-1] in p.eos_token_ids else "length")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_eos_inside_an_accepted_draft(arch):
     """A row whose EOS arrives as an accepted draft token (not the bonus) stops right there."""
     p, ids, refs = workload(arch)
@@ -76,8 +76,8 @@ def test_eos_inside_an_accepted_draft(arch):
     assert stopped_mid_draft
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("draft_kind", ["perturbed", "small"])
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
+@pytest.mark.parametrize("draft_kind", ["perturbed", pytest.param("small", marks=pytest.mark.slow)])
 def test_real_draft_model_is_exact(arch, draft_kind):
     """A draft model of its own shapes ("small": another width and depth, whose drafts are nearly
     always rejected, so γ = 5 alone; the oracle tests cover every γ) or the target perturbed.
@@ -98,7 +98,7 @@ def test_real_draft_model_is_exact(arch, draft_kind):
             assert 0.2 < engine.stats.accepted / engine.stats.drafted < 0.95 and hist[0] and hist[gamma]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_oracle_with_draft_model_cost_keeps_draft_kv_consistent(arch):
     """The synthetic drafter run through the real draft model (its cost) stays exact."""
     base, ids, refs = workload(arch)
@@ -109,7 +109,7 @@ def test_oracle_with_draft_model_cost_keeps_draft_kv_consistent(arch):
     assert [o.token_ids for o in run(engine, ids)] == refs
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_autoregressive_batches_match_batch_one(arch):
     p, ids, refs = workload(arch)
     for bs in BATCH_SIZES:

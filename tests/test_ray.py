@@ -15,6 +15,7 @@ import sys
 import pytest
 
 ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow  # Ray starts processes: a minute or more
 
 from typer.testing import CliRunner  # noqa: E402
 

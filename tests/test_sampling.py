@@ -83,10 +83,10 @@ def chi_square(observed: torch.Tensor, expected_p: torch.Tensor) -> float:
 
 
 CASES = [
-    (SamplingParams(temperature=1.0), "eqspec", 16, 3),
-    (SamplingParams(temperature=0.7, top_k=4), "exspec", 8, 2),
+    pytest.param(SamplingParams(temperature=1.0), "eqspec", 16, 3, marks=pytest.mark.slow),
+    pytest.param(SamplingParams(temperature=0.7, top_k=4), "exspec", 8, 2, marks=pytest.mark.slow),
     (SamplingParams(temperature=1.3, top_p=0.8), "eqspec", 32, 1),
-    (SamplingParams(temperature=1.0, top_k=5, top_p=0.9), "exspec", 16, 4),
+    pytest.param(SamplingParams(temperature=1.0, top_k=5, top_p=0.9), "exspec", 16, 4, marks=pytest.mark.slow),
     (SamplingParams(temperature=1.0), "autoregressive", 16, 1),
 ]
 
@@ -97,6 +97,7 @@ def test_speculative_sampling_matches_the_target(sp, method, bs, gamma):
     assert chi_square(draws, exact_joint(sp)) > ALPHA
 
 
+@pytest.mark.slow
 def test_tetris_budget_sampling_matches_the_target():
     """A TETRIS budget of 20 verified drafts over 16 rows drafting 3 each: rows verify 0..3 (the
     requests carry no seed, so the budget is theirs to cut)."""
@@ -106,6 +107,7 @@ def test_tetris_budget_sampling_matches_the_target():
     assert chi_square(draws, exact_joint(SamplingParams(temperature=1.0))) > ALPHA
 
 
+@pytest.mark.slow
 def test_a_windowed_draft_model_samples_the_target():
     """A 12-token prompt and a draft window of 1: the draft model drafts from the prompt's first 4
     tokens and its last (drafters/model.py), a q of its own, and rejection sampling still draws
@@ -167,7 +169,8 @@ def residual_unnormalised(p, q, drafts, u_accept, u_final, lengths=None):
     return _redraw_recovered(p, q, drafts, u_accept, u_final, lengths, draw)
 
 
-@pytest.mark.parametrize("broken", [bonus_from_draft, residual_unclamped, residual_unnormalised])
+@pytest.mark.parametrize("broken", [bonus_from_draft, pytest.param(residual_unclamped, marks=pytest.mark.slow),
+                                    pytest.param(residual_unnormalised, marks=pytest.mark.slow)])
 def test_broken_verifiers_fail_the_same_test(monkeypatch, broken):
     monkeypatch.setattr(round_module, "rejection_verify", broken)
     sp = SamplingParams(temperature=1.0)

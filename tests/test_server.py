@@ -368,6 +368,7 @@ def offline_generate(tmp_path, tiny_dirs, prompts: list[str], max_tokens: int) -
     return [json.loads(line)["text"] for line in out.read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_load_64_clients_mixed_streaming_and_cancelled(served, tmp_path, tiny_dirs):
     total, clients, max_tokens = 256, 64, 12
     refs = offline_generate(tmp_path, tiny_dirs, PROMPTS, max_tokens)

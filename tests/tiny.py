@@ -10,6 +10,7 @@ import copy
 import functools
 import random
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -18,6 +19,8 @@ from batchspec.drafters import DraftModelDrafter, OracleDrafter
 
 VOCAB = 256
 ARCHS = ("llama", "qwen3", "gpt2")
+# For parametrize: llama in the fast tier, the others `slow` (`./scripts/test.sh -m "not slow"`).
+ARCH_PARAMS = ("llama", *(pytest.param(a, marks=pytest.mark.slow) for a in ARCHS[1:]))
 
 
 def make_model(arch: str, hidden: int, layers: int, seed: int, dtype=torch.float32, vocab: int = VOCAB):
