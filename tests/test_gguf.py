@@ -8,14 +8,13 @@ import json
 import sys
 from pathlib import Path
 
+import gguf  # noqa: E402  (in the test extra: CI runs these)
 import pytest
 import torch
 
 from batchspec import EngineConfig, SamplingParams, SpecEngine, load_pair
 from batchspec.gguf import INSTALL, checkpoint_for, models_root
 from batchspec.models import resolve_source
-
-gguf = pytest.importorskip("gguf")
 
 
 def permute(weights, heads: int):
