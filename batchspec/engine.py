@@ -37,7 +37,14 @@ from .core.request import FinishReason, Output, Request, StepOutput
 from .core.runner import ModelRunner, content_ids, kv_shape
 from .core.stats import RunStats, StageTimer
 from .decode import run_round
-from .drafters import drafter_needs_model, drafter_uses_model, make_drafter, model_drafter
+from .drafters import (
+    drafter_needs_model,
+    drafter_requires_model,
+    drafter_uses_model,
+    make_drafter,
+    missing_draft,
+    model_drafter,
+)
 from .models import ModelPair, context_length
 from .sampling import SamplingParams, make_generator
 from .sched import make_scheduler, plan_prefill
@@ -61,9 +68,8 @@ class SpecEngine:
     def __init__(self, pair: ModelPair, config: EngineConfig | None = None) -> None:
         self.config = cfg = config or EngineConfig()
         self.pair = pair
-        if cfg.speculative and drafter_needs_model(cfg.drafter) and pair.draft is None:
-            raise ValueError(f"method {cfg.method!r} with drafter {cfg.drafter!r} needs a draft model; "
-                             "pass one or choose a model-free drafter (ngram, suffix)")
+        if cfg.speculative and drafter_requires_model(cfg.drafter) and pair.draft is None:
+            raise ValueError(missing_draft(cfg.drafter))
         self.device = pair.target.device
         self.timer = StageTimer(self.device, sync=cfg.profile)
         # a model-free drafter leaves the draft model unused: no runner, no KV, no context limit

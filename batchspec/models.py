@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -115,40 +116,83 @@ def check_models(target, draft, vocab_size: int) -> None:
 
 def load_pair(target: str | None = None, draft: str | None = None, *, dtype: str | None = None,
               device: str | None = None, need_draft: bool = True) -> ModelPair:
-    """Load target and draft by local path or hub id (defaults: the bundled pair).
+    """Load a target and, if asked, a draft (see `resolve_source` for what a model spec may be).
 
-    "random:<path or id>" builds a model with random weights from that config (and takes its
-    tokenizer): for overhead studies of large architectures where no trained weights exist.
+    With neither given, the bundled pair (its draft only when `need_draft`: the run's drafter would
+    use one). A target given alone loads no draft model: a drafter that requires one then fails in
+    SpecEngine, naming the choices, and the default drafter (hybrid) runs its lookup alone. A draft
+    given alone pairs with the bundled target. "random:<spec>" builds a model with random weights
+    from that spec's config (and takes its tokenizer): for overhead studies of large architectures
+    where no trained weights exist.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from .gguf import first_line
+
     device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, device)
-    target = target or default_target()
-    if draft is None and need_draft:
-        draft = default_draft() if target == default_target() else None
-        if draft is None:
-            raise ValueError("a speculative method needs --draft (a model sharing the target's tokenizer)")
-    tokenizer = AutoTokenizer.from_pretrained(_source(target))
+    if target is None:
+        draft = draft or (default_draft() if need_draft else None)
+        target = default_target()
+    sources = {"target": resolve_source(target, torch_dtype), "draft": resolve_source(draft, torch_dtype)}
+    tokenizer = _tokenizer(AutoTokenizer, sources["target"], target, "target")
     vocab_size = len(tokenizer)
     if draft is not None:
-        check_tokenizers(tokenizer, AutoTokenizer.from_pretrained(_source(draft)))
+        check_tokenizers(tokenizer, _tokenizer(AutoTokenizer, sources["draft"], draft, "draft"))
     ensure_pad_token(tokenizer)
 
-    def load(spec):
-        if spec.startswith("random:"):
-            config = AutoConfig.from_pretrained(_source(spec))
-            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype)
+    def load(spec: str, role: str):
+        source = sources[role]
+        try:
+            if spec.startswith("random:"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=torch_dtype)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        except OSError as exc:
+            raise ValueError(f"cannot load the {role} model {spec!r}: {first_line(exc)}") from None
         return model.to(device).eval()
 
-    target_model = load(target)
-    draft_model = load(draft) if draft is not None else None
+    target_model = load(target, "target")
+    draft_model = load(draft, "draft") if draft is not None else None
     check_models(target_model, draft_model, vocab_size)
     return ModelPair(target_model, draft_model, tokenizer, vocab_size, eos_ids(target_model, tokenizer),
                      target_name=str(target), draft_name=str(draft) if draft else None)
 
 
-def _source(spec: str) -> str:
-    return spec.removeprefix("random:")
+# A hub id: "name" or "org/name" (letters, digits, '-', '_', '.'), not starting with '.' or '-'.
+HUB_ID = re.compile(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?")
+
+
+def resolve_source(spec: str | None, dtype: torch.dtype = torch.float32) -> str | None:
+    """What transformers loads for a model spec: a local checkpoint folder, a .gguf file or a folder
+    holding only one (converted once, `gguf.py`), a catalog name such as smollm2-135m (fetched
+    once, `catalog.py`), or a hub id; "random:<spec>" resolves <spec>. A local path that does not
+    exist is a ValueError, not a hub lookup."""
+    if spec is None:
+        return None
+    from . import catalog, gguf
+
+    spec = spec.removeprefix("random:")
+    if spec in catalog.MODELS:
+        return str(catalog.fetch(spec))
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(gguf.checkpoint_for(path, dtype))
+    if path.is_dir():
+        inside = gguf.gguf_in_folder(path)
+        return str(gguf.checkpoint_for(inside, dtype)) if inside is not None else str(path)
+    if path.exists():
+        raise ValueError(f"model {spec!r} is a file but not a .gguf one; give a checkpoint folder or a .gguf file")
+    if spec.endswith(".gguf") or not HUB_ID.fullmatch(spec):
+        raise ValueError(f"model {spec!r} does not exist: give a local checkpoint folder, a .gguf file, a hub id "
+                         f"(org/name) or a known model ({', '.join(catalog.MODELS)}; see `batchspec models`)")
+    return spec  # a hub id
+
+
+def _tokenizer(auto, source: str, spec: str, role: str):
+    from .gguf import first_line
+
+    try:
+        return auto.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot load the {role} tokenizer of {spec!r}: {first_line(exc)}") from None

@@ -6,20 +6,38 @@ import json
 from importlib import resources
 from pathlib import Path
 
+# --prompts NAME: the prompt sets batchspec ships (batchspec/assets/<file>)
+PROMPT_SETS = {
+    "bundled": "prompts.jsonl",  # held-out code and prose openings for the bundled pair (plain completion)
+    "chat": "chat.jsonl",  # 32 questions for a chat model: knowledge, how-to, advice, code, short creative
+    "grounded": "grounded.jsonl",  # 32 tasks on a given text or code (summarise, rewrite, extract, edit): the
+    # answer copies from the prompt; 100-210 tokens each (SmolLM2's tokenizer)
+}
+
 
 def default_prompts_path() -> Path:
-    return Path(str(resources.files("batchspec") / "assets" / "prompts.jsonl"))
+    return prompt_set_path("bundled")
+
+
+def prompt_set_path(name: str) -> Path:
+    return Path(str(resources.files("batchspec") / "assets" / PROMPT_SETS[name]))
 
 
 def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[str]:
-    """Read prompts from a JSONL file (default: the bundled held-out prompts).
+    """Read prompts from a JSONL file or a named set (`PROMPT_SETS`: bundled, chat, grounded;
+    default: bundled, the held-out prompts).
 
     Each line is {"prompt": "..."} or a Spec-Bench row {"question_id", "category",
     "turns": [...]}, of which the first turn is used. Raises ValueError naming the bad line.
     """
-    path = Path(path) if path is not None else default_prompts_path()
+    if path is None or str(path) in PROMPT_SETS:
+        path = prompt_set_path(str(path or "bundled"))
+    path = Path(path)
     if not path.exists():
-        raise ValueError(f"prompt file {path} does not exist")
+        raise ValueError(f"prompt file {path} does not exist; give a JSONL file or one of the prompt sets "
+                         f"{', '.join(PROMPT_SETS)}")
+    if path.is_dir():
+        raise ValueError(f"prompts {path} is a folder; give a JSONL file or one of {', '.join(PROMPT_SETS)}")
     prompts = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

@@ -37,6 +37,7 @@ from batchspec.core.request import FinishReason, Request
 from batchspec.drafters import (
     HybridDrafter,
     drafter_needs_model,
+    drafter_requires_model,
     drafter_uses_model,
     hybrid,
     make_drafter,
@@ -318,19 +319,25 @@ def test_registry_parses_and_refuses_clearly():
             parse_drafter(spec)
     assert [drafter_needs_model(s) for s in ("draft_model", "ngram", "suffix", "hybrid", "oracle:1")] == \
         [True, False, False, True, False]
+    assert [drafter_requires_model(s) for s in ("draft_model", "hybrid", "oracle:1")] == [True, False, False]
     assert [drafter_uses_model(s) for s in ("ngram", "suffix", "oracle:1")] == [False, False, True]
     assert split_drafters("draft_model,ngram:2,4,10,suffix, oracle:0.5,hybrid:ngram:2,3,hybrid:suffix") == \
         ["draft_model", "ngram:2,4,10", "suffix", "oracle:0.5", "hybrid:ngram:2,3", "hybrid:suffix"]
     assert make_drafter("ngram:1,2,3", draft_runner=None, device=CPU, vocab_size=8).label == "ngram:1,2,3"
     with pytest.raises(ValueError, match="needs a draft model"):
-        make_drafter("hybrid", draft_runner=None, device=CPU, vocab_size=8)
+        make_drafter("draft_model", draft_runner=None, device=CPU, vocab_size=8)
+    # without a draft model the hybrid is its lookup alone
+    assert make_drafter("hybrid:ngram:1,2,3", draft_runner=None, device=CPU, vocab_size=8).label == "ngram:1,2,3"
 
 
 def test_engine_uses_the_registry():
     target = loopy()[0].target
     free = ModelPair(target, None, None, VOCAB, ())
-    with pytest.raises(ValueError, match="needs a draft model"):
-        SpecEngine(free, EngineConfig(drafter="hybrid"))
+    with pytest.raises(ValueError, match="--draft.*--drafter ngram.*--method autoregressive"):
+        SpecEngine(free, EngineConfig(drafter="draft_model"))
+    alone = SpecEngine(free, EngineConfig(drafter="hybrid", max_kv_tokens=512))  # the lookup alone
+    assert alone.draft_runner is None and alone.drafter.label == \
+        make_drafter(hybrid.LOOKUP, draft_runner=None, device=CPU, vocab_size=8).label
     with_draft = ModelPair(target, loopy()[0].draft, None, VOCAB, ())
     engine = SpecEngine(with_draft, EngineConfig(drafter="ngram", max_kv_tokens=512))
     assert engine.draft_runner is None  # a model-free drafter allocates nothing for the draft model
@@ -350,7 +357,7 @@ def test_cli_model_free_drafter_needs_no_draft(tiny_dirs):
             "--max-new-tokens", "6", "--quiet"]
     result = CliRunner().invoke(app, base + ["--drafter", "ngram:1,3,4"])
     assert result.exit_code == 0 and "eqspec" in result.output, result.output
-    for drafter, message in (("hybrid", "needs --draft"), ("ngram:4,1", "e.g. ngram:2,4,16")):
+    for drafter, message in (("draft_model", "--method autoregressive"), ("ngram:4,1", "e.g. ngram:2,4,16")):
         result = CliRunner().invoke(app, base + ["--drafter", drafter])
         assert result.exit_code == 2 and message in result.output, result.output
 

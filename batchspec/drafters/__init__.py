@@ -38,7 +38,9 @@ class DrafterSpec:
     help: str
     parse: Callable[[str, str], Any]  # (argument text after ':', whole spec) -> options; raises ValueError
     build: Callable[[Any, BuildContext], Drafter]
-    draft_model: str  # "required", "optional" (used for its cost when present) or "unused"
+    # "required"; "wanted" (loaded for it with the bundled pair; without one it runs a model-free part alone);
+    # "optional" (used for its cost when present); or "unused"
+    draft_model: str
     synthetic: bool = False  # knows the answer: reports must say so
 
 
@@ -87,9 +89,16 @@ def _suffix_args(arg: str, spec: str) -> tuple:
                     "depth > k >= 1, min_prob in [0, 1] and max_tokens >= 0")
 
 
+def missing_draft(drafter: str) -> str:
+    """The error for a drafter that requires a draft model when none is loaded."""
+    return (f"drafter {drafter!r} needs a draft model and none is loaded: give one (--draft, a model sharing the "
+            "target's tokenizer), or use a model-free drafter (--drafter ngram or --drafter suffix), or decode "
+            "without speculation (--method autoregressive)")
+
+
 def _build_draft_model(_, ctx: BuildContext) -> Drafter:
     if ctx.draft_runner is None:
-        raise ValueError("drafter 'draft_model' needs a draft model; pass --draft or choose another drafter")
+        raise ValueError(missing_draft("draft_model"))
     return DraftModelDrafter(ctx.draft_runner)
 
 
@@ -120,10 +129,11 @@ def _hybrid_args(arg: str, spec: str) -> tuple[str, Any]:
 
 
 def _build_hybrid(args: tuple[str, Any], ctx: BuildContext) -> Drafter:
-    if ctx.draft_runner is None:
-        raise ValueError("drafter 'hybrid' needs a draft model; pass --draft or choose ngram or suffix")
+    """The lookup and the draft model; with no draft model loaded (a target given alone), the lookup
+    alone: what the hybrid does on every row the lookup matches, and plain decoding elsewhere."""
     name, options = args
-    return HybridDrafter(DraftModelDrafter(ctx.draft_runner), REGISTRY[name].build(options, ctx))
+    lookup = REGISTRY[name].build(options, ctx)
+    return HybridDrafter(DraftModelDrafter(ctx.draft_runner), lookup) if ctx.draft_runner is not None else lookup
 
 
 REGISTRY: dict[str, DrafterSpec] = {
@@ -139,7 +149,8 @@ REGISTRY: dict[str, DrafterSpec] = {
                           _suffix_args, lambda args, ctx: SuffixDrafter(ctx.device, *args), "unused"),
     "hybrid": DrafterSpec("hybrid[:suffix[:...]|ngram[:...]]",
                           f"{hybrid.LOOKUP} where it has a confident match, the draft model for the other rows "
-                          f"while it pays (default hybrid:{hybrid.LOOKUP})", _hybrid_args, _build_hybrid, "required"),
+                          f"while it pays (default hybrid:{hybrid.LOOKUP}); the lookup alone without a draft model",
+                          _hybrid_args, _build_hybrid, "wanted"),
     "oracle": DrafterSpec("oracle:<p>", "synthetic, knows the target's output: for overhead studies",
                           _oracle_prob, _build_oracle, "optional", synthetic=True),
 }
@@ -161,7 +172,14 @@ def parse_drafter(spec: str) -> tuple[str, Any]:
 
 
 def drafter_needs_model(spec: str) -> bool:
-    """Does this drafter need the draft model loaded (raises ValueError for a bad spec)?"""
+    """Should a draft model be loaded for this drafter (the bundled draft with the bundled target)?
+    Raises ValueError for a bad spec."""
+    parse_drafter(spec)
+    return drafter_spec(spec).draft_model in ("required", "wanted")
+
+
+def drafter_requires_model(spec: str) -> bool:
+    """Can this drafter not run at all without a draft model?"""
     parse_drafter(spec)
     return drafter_spec(spec).draft_model == "required"
 
@@ -202,5 +220,6 @@ def make_drafter(spec: str, *, draft_runner, device, vocab_size: int,
 
 
 __all__ = ["DRAFTERS", "REGISTRY", "DraftModelDrafter", "DraftProposal", "Drafter", "DrafterSpec", "HybridDrafter",
-           "NgramDrafter", "OracleDrafter", "SuffixDrafter", "drafter_needs_model", "drafter_spec",
-           "drafter_uses_model", "make_drafter", "model_drafter", "parse_drafter", "split_drafters"]
+           "NgramDrafter", "OracleDrafter", "SuffixDrafter", "drafter_needs_model", "drafter_requires_model",
+           "drafter_spec", "drafter_uses_model", "make_drafter", "missing_draft", "model_drafter", "parse_drafter",
+           "split_drafters"]
