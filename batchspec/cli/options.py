@@ -186,8 +186,9 @@ def derive(options: Iterable[CliOption], *, into: str):
 SAMPLING_PANEL = "Sampling"
 
 Target = Annotated[str | None, typer.Option(
-    "--target", metavar="MODEL", help="Target model: a local folder or hub id, or random:<folder or id> for "
-                                      "random weights from its config (default: the bundled target)")]
+    "--target", metavar="MODEL", help="Target model: a named model (batchspec models), a local folder, a "
+                                      ".gguf file or a hub id; random:<folder or id> for random weights from "
+                                      "its config (default: the bundled target)")]
 Draft = Annotated[str | None, typer.Option(
     "--draft", metavar="MODEL", help="Draft model sharing the target's tokenizer (default: the bundled draft "
                                      "when --target is not given, else none)")]
@@ -197,8 +198,8 @@ Dtype = Annotated[str, typer.Option(
 Device = Annotated[str, typer.Option("--device", metavar="NAME",
                                      help="auto (cuda if available), cpu, cuda or cuda:N")]
 Prompts = Annotated[str | None, typer.Option(
-    "--prompts", metavar="SET", help="Prompt set: a JSONL file of {\"prompt\": ...} or Spec-Bench rows "
-                                     "(default: the bundled prompts)")]
+    "--prompts", metavar="SET", help="Prompts: bundled (the default), chat, grounded, or a JSONL file of "
+                                     "{\"prompt\": ...} or Spec-Bench rows")]
 Chat = Annotated[bool, typer.Option("--chat", metavar="", help="Wrap prompts in the tokenizer's chat template")]
 Temperature = Annotated[float, typer.Option("--temperature", metavar="T", help="0 = greedy",
                                             rich_help_panel=SAMPLING_PANEL)]
