@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .config import EngineConfig
+from .server.config import ServerConfig, field_docs
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Exact batch speculative decoding for Hugging Face causal LMs.")
@@ -538,6 +539,9 @@ def serve(
     few_rows: int = typer.Option(0, "--single-thread-rows",
                                  help="On a CPU, run rounds on one torch thread while at most this many requests "
                                       "are in the engine, leaving the other cores to the HTTP side (0 = never)"),
+    max_prompt_chars: int = typer.Option(None, "--max-prompt-chars",
+                                         help=field_docs()["max_prompt_chars"]),
+    max_body_bytes: int = typer.Option(None, "--max-body-bytes", help=field_docs()["max_body_bytes"]),
 ):
     """Serve the engine over an OpenAI-compatible HTTP API (completions, chat, streaming, metrics)."""
     from .server import serve as run_server
@@ -549,20 +553,18 @@ def serve(
                               forward=forward,
                               **engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive, budget,
                                                draft_window))
-        if max_waiting < 0:
-            raise ValueError(f"--max-waiting must be >= 0, got {max_waiting}")
-        if few_rows < 0:
-            raise ValueError(f"--single-thread-rows must be >= 0, got {few_rows}")
+        server = ServerConfig(host=host, port=port, model_name=served_model_name or target or "batchspec/default_pair",
+                              api_key=api_key, max_waiting=max_waiting, few_rows=few_rows, log_level=log_level,
+                              max_prompt_chars=max_prompt_chars, max_body_bytes=max_body_bytes)
         engine = load_engine(target, draft, config, dtype, device)
     except ValueError as exc:
         fail(str(exc))
-    name = served_model_name or target or "batchspec/default_pair"
+    name = server.model_name
     console.print(f"serving [bold]{name}[/] ({config.method}, batch {config.batch_size}"
                   f"{f', gamma {config.gamma}' if config.speculative else ''}) on http://{host}:{port}/v1"
                   f"{' with an API key' if api_key else ''}")
     try:
-        run_server(engine, host=host, port=port, model_name=name, api_key=api_key, max_waiting=max_waiting,
-                   log_level=log_level, few_rows=few_rows)
+        run_server(engine, server)
     except RuntimeError as exc:
         fail(str(exc))
 
