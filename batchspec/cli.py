@@ -553,6 +553,10 @@ def serve(
                               forward=forward,
                               **engine_options(refill, max_kv_tokens, max_prefill_tokens, adaptive, budget,
                                                draft_window))
+        if max_waiting < 0:
+            raise ValueError(f"--max-waiting must be >= 0, got {max_waiting}")
+        if few_rows < 0:
+            raise ValueError(f"--single-thread-rows must be >= 0, got {few_rows}")
         server = ServerConfig(host=host, port=port, model_name=served_model_name or target or "batchspec/default_pair",
                               api_key=api_key, max_waiting=max_waiting, few_rows=few_rows, log_level=log_level,
                               max_prompt_chars=max_prompt_chars, max_body_bytes=max_body_bytes)
