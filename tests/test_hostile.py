@@ -268,3 +268,21 @@ def test_busy_and_stopped_answers_carry_retry_after(live, monkeypatch):
     assert h.status_code == 503 and h.headers["retry-after"] == "1"
     monkeypatch.undo()
     still_serving(live)
+
+
+# ------------------------------------------------------------------------------------------ settings
+@pytest.mark.parametrize("field, value, words", [
+    ("port", 70000, "port must be in"), ("max_waiting", -1, "max_waiting must be >= 0"),
+    ("max_prompt_chars", 0, "max_prompt_chars must be >= 1"), ("tokenizer_threads", 0, "tokenizer_threads"),
+    ("api_key", " ", "api_key must not be blank"), ("log_level", "loud", "log_level must be one of"),
+])
+def test_server_config_refuses_bad_values(field, value, words):
+    with pytest.raises(ValueError, match=words):
+        ServerConfig(**{field: value})
+
+
+def test_server_config_limits_derive_from_the_model():
+    assert ServerConfig().prompt_chars(context=1024, longest_token=45) == 46080
+    assert ServerConfig(max_prompt_chars=10).prompt_chars(1024, 45) == 10
+    assert ServerConfig().body_bytes(100) == 800 + (1 << 20)
+    assert ServerConfig(max_body_bytes=5).body_bytes(100) == 5
