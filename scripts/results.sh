@@ -7,7 +7,7 @@
 # README's table shows, character for character; change both together. Timings are side by side
 # within a run (bench's step pairing), but run nothing else on the machine meanwhile.
 # On a 2-core CPU: bundled about 50 minutes (batch 1 with the transformers peers is most of it),
-# smollm2 about 50 minutes, once SmolLM2 is fetched (`batchspec models fetch smollm2-135m`).
+# smollm2 about 25 minutes, once SmolLM2 is fetched (`batchspec models fetch smollm2-135m`).
 
 # The bundled pair (batchspec/assets/default_pair): exactness, the default against plain decoding and
 # transformers (one run per batch size), `batchspec generate`'s own workload, the drafters on `echo`.
@@ -25,23 +25,19 @@ results_bundled() {
     --json docs/results/bundled_drafters_echo.json
 }
 
-# SmolLM2-135M-Instruct alone (no draft model: the default drafter runs its lookup part alone), chat prompts
-# through its chat template: exactness per drafter, plain decoding against transformers' generate, the
-# default against plain decoding with the twin, and the model-free drafters on two prompt sets.
+# SmolLM2-135M-Instruct alone (no draft model: the default drafter runs its lookup part alone), prompts
+# through its chat template: exactness per drafter; plain decoding against transformers' generate and the
+# default against plain decoding with the twin, in one run; the model-free drafters on the grounded set.
 results_smollm2() {
-  for D in ngram suffix; do
+  for D in ngram hybrid; do
     batchspec verify --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec,exspec \
-      --batch-sizes 1,8,32 --drafter "$D" --num-prompts 16 --max-new-tokens 64 --json "docs/results/smollm2_verify_$D.json"
+      --batch-sizes 1,8,32 --drafter "$D" --num-prompts 32 --max-new-tokens 32 --json "docs/results/smollm2_verify_$D.json"
   done
-  batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive --peers hf --batch-sizes 1,8,32 \
-    --num-prompts 16 --max-new-tokens 64 --repeat 3 --json docs/results/smollm2_vs_hf.json
-  batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32 \
-    --twin --num-prompts 16 --max-new-tokens 64 --repeat 2 --json docs/results/smollm2_default.json
-  for P in chat grounded; do
-    batchspec bench --target smollm2-135m --chat --prompts "$P" --methods autoregressive,eqspec \
-      --drafters ngram,suffix,hybrid --batch-sizes 1,8 --twin --num-prompts 16 --max-new-tokens 64 --repeat 2 \
-      --json "docs/results/smollm2_drafters_$P.json"
-  done
+  batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --peers hf --twin \
+    --batch-sizes 1,8,32 --num-prompts 32 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_default.json
+  batchspec bench --target smollm2-135m --chat --prompts grounded --methods autoregressive,eqspec \
+    --drafters ngram,suffix,hybrid --batch-sizes 1,8 --twin --num-prompts 16 --max-new-tokens 64 --repeat 2 \
+    --json docs/results/smollm2_drafters_grounded.json
 }
 
 results_main() {

@@ -17,6 +17,8 @@
 #   BATCH           --max-batch-size of batchspec serve [32]
 #   SPEC_ARGS       extra options of the speculative server, e.g. "--gamma 3" [none: EngineConfig's defaults]
 #   STREAM          --stream or --no-stream [--stream: TTFT and inter-token latency need it]
+#   CHAT            1: load-test /v1/chat/completions (each prompt one user message, the model's chat
+#                   template; the bundled pair has one) instead of /v1/completions [unset]; use its own OUT_DIR
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
@@ -33,6 +35,8 @@ PORT="${PORT:-8123}"
 BATCH="${BATCH:-32}"
 SPEC_ARGS="${SPEC_ARGS:-}"
 STREAM="${STREAM:---stream}"
+CHAT_ARG=()
+if [ -n "${CHAT:-}" ]; then CHAT_ARG=(--chat); fi
 URL="http://127.0.0.1:$PORT"
 
 # transformers serve needs fastapi, uvicorn, openai and pydantic (batchspec's own dependencies) and,
@@ -82,7 +86,7 @@ for rep in $(seq 1 "$REPEAT"); do
       echo "== repeat $rep, concurrency $c: $server ($requests requests)" >&2
       start_server "$server"
       batchspec loadtest --url "$URL" --model "$TARGET" --concurrency "$c" --requests "$requests" \
-        --max-tokens "$MAX_TOKENS" --temperature 0 "$STREAM" --json "$OUT/${server}_c${c}_r${rep}.json" \
+        --max-tokens "$MAX_TOKENS" --temperature 0 "$STREAM" "${CHAT_ARG[@]}" --json "$OUT/${server}_c${c}_r${rep}.json" \
         || echo "loadtest against $server at concurrency $c reported failures (see the JSON)" >&2
       stop_server
     done

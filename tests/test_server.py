@@ -242,7 +242,8 @@ def test_auth(served):
 @pytest.mark.parametrize("body, status, reason", [
     ({"prompt": PROMPTS[0] * 40}, 400, "longer than the model context"),
     ({"prompt": PROMPTS[0], "max_tokens": 5000}, 400, "model context"),
-    ({"prompt": PROMPTS[0], "max_tokens": -1}, 400, "max_new_tokens must be >= 0"),
+    ({"prompt": PROMPTS[0], "max_tokens": -1}, 400, "max_tokens: Input should be greater than or equal to 1"),
+    ({"prompt": PROMPTS[0], "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal to 1"),
     ({"prompt": PROMPTS[0], "temperature": -0.5}, 400, "temperature"),
     ({"prompt": PROMPTS[0], "top_p": 0}, 400, "top_p"),
     ({"prompt": PROMPTS[0], "top_k": -3}, 400, "top_k"),
@@ -255,9 +256,9 @@ def test_auth(served):
     ({"prompt": []}, 400, "empty"),
     ({"prompt": [5, 10**6]}, 400, "token ids"),
     ({"prompt": PROMPTS[0], "model": "gpt-4"}, 404, "not served here"),
-    ({"prompt": PROMPTS[0], "max_tokens": "many"}, 422, "max_tokens"),
-    ({"prompt": {"text": "x"}}, 422, "prompt"),
-    ({"max_tokens": 3}, 422, "prompt"),
+    ({"prompt": PROMPTS[0], "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": {"text": "x"}}, 400, "prompt"),
+    ({"max_tokens": 3}, 400, "prompt"),
 ])
 def test_bad_requests_get_the_reason(served, body, status, reason):
     r = httpx.post(served.url + "/v1/completions", headers=auth(), json={"model": MODEL, **body})
@@ -269,7 +270,7 @@ def test_malformed_json_and_chat_errors(served):
     for raw in (b"{not json", b"[1, 2]", b""):
         r = httpx.post(served.url + "/v1/chat/completions", headers={**auth(), "content-type": "application/json"},
                        content=raw)
-        assert r.status_code == 422 and "malformed" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "malformed" in r.json()["error"]["message"]
     client = served.client()
     with pytest.raises(openai.BadRequestError, match="messages is empty"):
         client.chat.completions.create(model=MODEL, messages=[])

@@ -95,8 +95,8 @@ def _fields(cls) -> dict[str, tuple[dataclasses.Field, type]]:
 
 
 def _option(name: str, kind: type, default: Any, flags: tuple[str, ...], *, help: str, panel: str,
-            metavar: str | None, to_value: Callable[[Any], Any]) -> CliOption:
-    info = typer.Option(*flags, help=escape(help), rich_help_panel=panel, metavar=metavar,
+            metavar: str | None, to_value: Callable[[Any], Any], envvar: str | None = None) -> CliOption:
+    info = typer.Option(*flags, help=escape(help), rich_help_panel=panel, metavar=metavar, envvar=envvar,
                         show_default=default is not None and default is not False)
     annotation = Annotated[kind if default is not None else kind | None, info]
     parameter = inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
@@ -128,6 +128,7 @@ def dataclass_options(cls, *, include: Iterable[str] | None = None, exclude: Ite
         options.append(_option(
             name, kind, default, flags, help=meta.get("help") or docs.get(name, ""),
             panel=meta.get("panel", panel), metavar="" if kind is bool else meta.get("metavar"),
+            envvar=meta.get("envvar"),
             to_value=(lambda v, none_as=none_as: None if none_as is not None and v == none_as else v)))
     return options
 

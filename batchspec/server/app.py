@@ -7,14 +7,20 @@
     GET  /metrics               Prometheus text (see metrics.py)
 
 One thread owns the models and runs the engine's rounds (`AsyncEngine`); handlers only queue
-requests and await their per-round outputs, so the HTTP side never blocks a round. Every engine
+requests and await their per-round outputs, so the HTTP side never blocks a round. Nothing costly
+runs on the event loop: a body is size-checked as it arrives (guard.py), and prompts are checked
+for length, tokenized and rendered by chat templates on `tokenizer_threads` worker threads
+(detokenization happens in the engine's rounds). Every engine
 request is aborted when its client goes away, streaming or not: streaming responses are cancelled
 by Starlette when the client disconnects, and non-streaming handlers race the generation against
 the connection's `http.disconnect`.
 
-Answers: 400 with the reason for a value the engine or SamplingParams refuses (over-long prompt,
-temperature < 0, ...) or an unsupported feature; 401 without the API key; 404 for another model;
-422 for malformed JSON or wrong types; 429 when `max_waiting` requests already wait; 500 when a
+Answers, all in OpenAI's error shape ({"error": {"message", "type", "param", "code"}}): 400 with
+the reason for anything the client must change (malformed JSON, a body that is not UTF-8, a wrong
+type, text with lone surrogates or that the tokenizer refuses, a prompt over `max_prompt_chars`,
+a value the engine or SamplingParams refuses, an unsupported feature); 401 without the API key;
+404 for another model; 413 for a body over `max_body_bytes`; 429 (with Retry-After) when
+`max_waiting` requests already wait; 503 (with Retry-After) when the engine has stopped; 500 when a
 round failed (the server keeps serving the others).
 """
 
@@ -22,12 +28,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -40,7 +48,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..async_engine import AsyncEngine, QueueFull
 from ..engine import SpecEngine
 from ..sampling import SamplingParams
+from .chat import render
+from .config import ServerConfig
 from .generation import EngineFailed, Generation
+from .guard import BodyGuard, check_text, text_chars
 from .metrics import ServerMetrics
 from .protocol import (
     MAX_CHOICES,
@@ -60,30 +71,40 @@ class ApiError(Exception):
     """An answer other than 200: status, message, and the outcome the metrics count it under."""
 
     def __init__(self, status: int, message: str, outcome: str = "invalid", kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
+                 code: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.outcome, self.kind, self.code = status, message, outcome, kind, code
+        self.headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.kind, self.code), status_code=self.status)
+        return JSONResponse(error_body(self.message, self.kind, self.code), status_code=self.status,
+                            headers=self.headers)
 
 
 class OpenAIServer:
-    """The handlers' state: the engine, its asyncio side (started with the app), the metrics."""
+    """The handlers' state: the engine, its asyncio side (started with the app), the metrics, the
+    limits in force and the worker threads that prepare prompts."""
 
-    def __init__(self, engine: SpecEngine, model_name: str) -> None:
+    def __init__(self, engine: SpecEngine, config: ServerConfig) -> None:
         self.spec = engine
-        self.model_name = model_name
+        self.config = config
+        self.model_name = config.model_name
         self.metrics = ServerMetrics(engine)
         self.engine: AsyncEngine | None = None
         self.created = int(time.time())
+        tok = engine.pair.tokenizer
+        self.longest_token = max((len(t) for t in tok.get_vocab()), default=1) if tok is not None else 1
+        self.max_prompt_chars = config.prompt_chars(engine.context, self.longest_token)
+        self.max_body_bytes = config.body_bytes(self.max_prompt_chars)
+        self.pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="batchspec-tokenize")
 
     # ----------------------------------------------------------------------------- routes
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         return await self._generate("completions", body, request, lambda: self._completion_prompts(body))
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
-        return await self._generate("chat_completions", body, request, lambda: [self._chat_prompt(body)])
+        return await self._generate("chat_completions", body, request, lambda: [self._chat_prompt(body)],
+                                    tools=body.wants_tools)
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
@@ -91,32 +112,43 @@ class OpenAIServer:
 
     async def health(self) -> JSONResponse:
         ok = self.engine is not None and self.engine.running
-        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503,
+                            headers=None if ok else {"Retry-After": str(self.config.retry_after)})
 
     async def render_metrics(self) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
-    # ----------------------------------------------------------------------------- prompts
+    # ----------------------------------------------------------------------------- prompts (worker threads)
+    def _check_size(self, chars: int, what: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise ValueError(f"{what} has {chars} characters, more than this server accepts (max_prompt_chars="
+                             f"{self.max_prompt_chars}: the model context of {self.spec.context} tokens times the "
+                             f"longest token, {self.longest_token} characters, unless set); shorten it")
+
+    def _encode(self, text: str, where: str) -> list[int]:
+        check_text(text, where)
+        try:
+            return self.spec.encode(text)  # no second BOS when a chat template wrote one
+        except ValueError:
+            raise
+        except Exception as exc:  # the tokenizer's own refusal (TypeError, ...): the client's text
+            raise ValueError(f"the tokenizer could not encode {where}: {type(exc).__name__}: {exc}") from None
+
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         p = body.prompt
+        self._check_size(text_chars(p), "the prompt text")
         items = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else p
         if not items:
             raise ValueError("prompt is empty")
-        return [self.spec.encode(item) for item in items]
+        return [self._encode(item, "prompt" if len(items) == 1 else f"prompt[{i}]") if isinstance(item, str)
+                else self.spec.encode(item) for i, item in enumerate(items)]
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        tok = self.spec.pair.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template, so /v1/chat/completions cannot build a "
-                             "prompt from messages; use /v1/completions with the prompt text")
         if not body.messages:
             raise ValueError("messages is empty")
-        messages = [m.for_template() for m in body.messages]
-        try:
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # the template's own checks (roles must alternate, ...) or a Jinja error
-            raise ValueError(f"the chat template could not render these messages: {exc}") from None
-        return self.spec.encode(text)  # no second BOS when the template wrote one
+        messages = [m.for_template(f"messages[{i}]") for i, m in enumerate(body.messages)]
+        self._check_size(text_chars(messages) + text_chars(body.tools or []), "the messages' text (with tools)")
+        return self._encode(render(self.spec.pair.tokenizer, messages, body.tools), "the rendered chat prompt")
 
     def _room(self, prompts: list[list[int]], body: GenerationRequest) -> int:
         """Default max_tokens of chat: the most the engine accepts after the longest prompt (its
@@ -140,8 +172,9 @@ class OpenAIServer:
         return lo
 
     # ----------------------------------------------------------------------------- generation
-    def _start(self, endpoint: str, body: GenerationRequest, make_prompts) -> Generation:
-        """Validate and submit every choice; ApiError for anything the client must change."""
+    async def _start(self, endpoint: str, body: GenerationRequest, make_prompts) -> Generation:
+        """Validate (on a worker thread) and submit every choice; ApiError for anything the client
+        must change."""
         arrival = time.perf_counter()
         if body.model is not None and body.model != self.model_name:
             raise ApiError(404, f"model {body.model!r} is not served here; this server serves "
@@ -150,34 +183,49 @@ class OpenAIServer:
         if unsupported:
             raise ApiError(400, f"not supported by batchspec serve: {', '.join(unsupported)}; leave "
                                 f"{'it' if len(unsupported) == 1 else 'them'} unset")
+        loop = asyncio.get_running_loop()
         try:
-            prompts = make_prompts()
-            if body.choices < 1:
-                raise ValueError(f"n must be >= 1, got {body.n}")
-            usage_prompt_tokens = sum(len(ids) for ids in prompts)  # OpenAI counts a prompt once, whatever n
-            prompts = [ids for ids in prompts for _ in range(body.choices)]  # choice i*n + j: prompt i, sample j
-            if len(prompts) > MAX_CHOICES:
-                raise ValueError(f"at most {MAX_CHOICES} choices (prompts x n) per request, got {len(prompts)}")
-            max_new = body.max_new_tokens(16 if endpoint == "completions" else None)
-            if max_new is None:
-                max_new = self._room(prompts, body)
-            vocab = self.spec.pair.vocab_size
-            params = [body.sampling_params(max_new, i, vocab) for i in range(len(prompts))]
-            for i, (ids, sp) in enumerate(zip(prompts, params)):
-                self.spec.check_request(ids, sp, where="prompt" if len(prompts) == 1 else f"prompt of choice {i}")
+            prompts, params, usage_prompt_tokens = await loop.run_in_executor(
+                self.pool, self._prepare, endpoint, body, make_prompts)
             return Generation(self.engine, prompts, params, self.metrics, arrival, usage_prompt_tokens)
         except QueueFull as exc:
-            raise ApiError(429, f"the server is busy: {exc}", "queue_full", "rate_limit_error") from None
+            raise ApiError(429, f"the server is busy: {exc}", "queue_full", "rate_limit_error",
+                           retry_after=self.config.retry_after) from None
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
+        except RuntimeError as exc:  # the engine was closed (the server is stopping)
+            if self.engine is not None and self.engine.running:
+                raise
+            raise ApiError(503, f"the engine is not running: {exc}", "unavailable", "server_error",
+                           retry_after=self.config.retry_after) from None
 
-    async def _generate(self, endpoint: str, body: GenerationRequest, request: Request, make_prompts) -> Response:
+    def _prepare(self, endpoint: str, body: GenerationRequest, make_prompts):
+        """Prompts, sampling parameters and usage prompt tokens of a request; ValueError for
+        anything the client must change. Runs on a worker thread: it tokenizes."""
+        prompts = make_prompts()
+        if body.choices < 1:
+            raise ValueError(f"n must be >= 1, got {body.n}")
+        usage_prompt_tokens = sum(len(ids) for ids in prompts)  # OpenAI counts a prompt once, whatever n
+        prompts = [ids for ids in prompts for _ in range(body.choices)]  # choice i*n + j: prompt i, sample j
+        if len(prompts) > MAX_CHOICES:
+            raise ValueError(f"at most {MAX_CHOICES} choices (prompts x n) per request, got {len(prompts)}")
+        max_new = body.max_new_tokens(16 if endpoint == "completions" else None)
+        if max_new is None:
+            max_new = self._room(prompts, body)
+        vocab = self.spec.pair.vocab_size
+        params = [body.sampling_params(max_new, i, vocab) for i in range(len(prompts))]
+        for i, (ids, sp) in enumerate(zip(prompts, params)):
+            self.spec.check_request(ids, sp, where="prompt" if len(prompts) == 1 else f"prompt of choice {i}")
+        return prompts, params, usage_prompt_tokens
+
+    async def _generate(self, endpoint: str, body: GenerationRequest, request: Request, make_prompts,
+                        tools: bool = False) -> Response:
         try:
-            gen = self._start(endpoint, body, make_prompts)
+            gen = await self._start(endpoint, body, make_prompts)
         except ApiError as exc:
             self.metrics.request_done(endpoint, exc.outcome)
             return exc.response()
-        fmt = ResponseFormat(endpoint == "chat_completions", self.model_name)
+        fmt = ResponseFormat(endpoint == "chat_completions", self.model_name, tools)
         if not body.stream:
             return await self._whole(endpoint, gen, fmt, request)
         counted = False
@@ -231,7 +279,10 @@ class OpenAIServer:
                 yield "".join(_sse(fmt.chunk(i, None, role=True)) for i in range(len(gen.outputs_by_choice)))
             try:
                 async for choice, out in gen.outputs():
-                    if out.new_text or out.finished:
+                    if fmt.tools:  # a tool call is known once it is whole: the answer comes at its end
+                        if out.finished:
+                            yield _sse(fmt.whole_chunk(choice, out.output.text or "", out.finish_reason))
+                    elif out.new_text or out.finished:
                         yield _sse(fmt.chunk(choice, out.new_text, out.finish_reason))
             except Exception as exc:
                 outcome = "error"
@@ -279,26 +330,29 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def create_app(engine: SpecEngine | AsyncEngine, *, model_name: str = "batchspec", api_key: str | None = None,
-               max_waiting: int | None = None, few_rows: int = 0) -> FastAPI:
-    """The FastAPI app over `engine`. Given a SpecEngine, its AsyncEngine loop thread starts with
-    the app (lifespan) and stops with it (max_waiting, few_rows: see `AsyncEngine`); given an
-    AsyncEngine, whoever made it runs and closes it (`serve`: on the main thread). Either way
-    `app.state.server` holds the handlers' state (`.engine` is the AsyncEngine once started)."""
+def create_app(engine: SpecEngine | AsyncEngine, config: ServerConfig | None = None, **settings) -> FastAPI:
+    """The FastAPI app over `engine`, with `config` (ServerConfig's defaults) and any of its fields
+    given as keywords (`model_name=...`, `api_key=...`, `max_waiting=...`). Given a SpecEngine, its
+    AsyncEngine loop thread starts with the app (lifespan) and stops with it (max_waiting,
+    few_rows: see `AsyncEngine`); given an AsyncEngine, whoever made it runs and closes it
+    (`serve`: on the main thread). Either way `app.state.server` holds the handlers' state
+    (`.engine` is the AsyncEngine once started). host, port and log_level matter to `serve` only."""
+    config = dataclasses.replace(config or ServerConfig(), **settings)
     given = engine if isinstance(engine, AsyncEngine) else None
-    server = OpenAIServer(engine.engine if given is not None else engine, model_name)
+    server = OpenAIServer(engine.engine if given is not None else engine, config)
     if given is not None:
         given.on_step = server.metrics.on_step
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.engine = given or AsyncEngine(engine, max_waiting=max_waiting, on_step=server.metrics.on_step,
-                                             few_rows=few_rows)
+        server.engine = given or AsyncEngine(engine, max_waiting=config.max_waiting, on_step=server.metrics.on_step,
+                                             few_rows=config.few_rows)
         try:
             yield
         finally:
             if given is None:
                 server.engine.close()
+            server.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="batchspec", lifespan=lifespan)
     app.state.server = server
@@ -308,11 +362,16 @@ def create_app(engine: SpecEngine | AsyncEngine, *, model_name: str = "batchspec
     app.get("/health")(server.health)
     app.get("/metrics")(server.render_metrics)
 
+    def refused(path: str, outcome: str) -> None:
+        if path in ENDPOINTS:
+            server.metrics.request_done(ENDPOINTS[path], outcome)
+
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, exc: RequestValidationError) -> JSONResponse:
-        if request.url.path in ENDPOINTS:
-            server.metrics.request_done(ENDPOINTS[request.url.path], "invalid")
-        return JSONResponse(error_body(f"malformed request: {_describe(exc.errors())}"), status_code=422)
+        refused(request.url.path, "invalid")
+        errors = list(exc.errors())
+        return JSONResponse(error_body(f"malformed request: {_describe(errors)}", param=_param(errors)),
+                            status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -320,14 +379,19 @@ def create_app(engine: SpecEngine | AsyncEngine, *, model_name: str = "batchspec
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:  # uvicorn logs the traceback
-        if request.url.path in ENDPOINTS:
-            server.metrics.request_done(ENDPOINTS[request.url.path], "error")
+        refused(request.url.path, "error")
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
                             status_code=500)
 
-    if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key, metrics=server.metrics)
+    app.add_middleware(BodyGuard, max_bytes=server.max_body_bytes, on_refused=refused)
+    if config.api_key:  # outermost: no body is read without the key
+        app.add_middleware(BearerAuth, api_key=config.api_key, metrics=server.metrics)
     return app
+
+
+def _param(errors) -> str | None:
+    loc = [str(x) for x in (errors[0].get("loc", ()) if errors else ()) if x != "body"]
+    return ".".join(loc) or None
 
 
 def _describe(errors) -> str:
@@ -344,18 +408,19 @@ def warm_up(engine: SpecEngine) -> None:
     engine.generate([prompt], SamplingParams(max_new_tokens=engine.gamma + 2))
 
 
-def serve(engine: SpecEngine, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "batchspec",
-          api_key: str | None = None, max_waiting: int | None = None, log_level: str = "warning",
-          few_rows: int = 0) -> None:
-    """Serve until interrupted (Ctrl-C or SIGTERM). The engine's rounds run on the calling thread,
-    the one that loaded the models and warmed them up, and uvicorn on another: with torch's OpenMP
-    build, rounds on a second thread after the first had run torch took 1.5x as long (see
-    `AsyncEngine`). Raises RuntimeError when the HTTP server cannot start (e.g. the port is taken)."""
+def serve(engine: SpecEngine, config: ServerConfig | None = None, **settings) -> None:
+    """Serve until interrupted (Ctrl-C or SIGTERM), with `config` and any of its fields as keywords
+    (see `create_app`). The engine's rounds run on the calling thread, the one that loaded the
+    models and warmed them up, and uvicorn on another: with torch's OpenMP build, rounds on a
+    second thread after the first had run torch took 1.5x as long (see `AsyncEngine`). Raises
+    RuntimeError when the HTTP server cannot start (e.g. the port is taken)."""
     import uvicorn
 
+    config = dataclasses.replace(config or ServerConfig(), **settings)
     warm_up(engine)
-    runner = AsyncEngine(engine, max_waiting=max_waiting, few_rows=few_rows, start=False)
-    app = create_app(runner, model_name=model_name, api_key=api_key)
+    runner = AsyncEngine(engine, max_waiting=config.max_waiting, few_rows=config.few_rows, start=False)
+    app = create_app(runner, config)
+    host, port, log_level = config.host, config.port, config.log_level
     http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                          access_log=log_level in ("info", "debug", "trace")))
     def run_http() -> None:  # (no signal handlers off the main thread)
