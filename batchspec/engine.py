@@ -112,6 +112,8 @@ class SpecEngine:
         from .models import load_pair
 
         config = config or EngineConfig()
+        if config.speculative and drafter_requires_model(config.drafter) and target is not None and draft is None:
+            raise ValueError(missing_draft(config.drafter))  # before loading the target
         needs_draft = config.speculative and drafter_needs_model(config.drafter)
         pair = load_pair(target, draft, dtype=dtype, device=device, need_draft=needs_draft)
         return cls(pair, config)

