@@ -11,10 +11,9 @@ sampling must draw the first two tokens from the target's exact distribution.
 
 Budget: under 3 minutes on a quiet 2-core CPU, the fetch aside. Two things keep it there. Batch 1
 runs 3 prompts, batch 8 runs 8 (a full batch). And the lean forward's kernel plan is pinned
-(`F.linear` at every token count) rather than measured: `core/kernels.py` times both kernels over
-the model's every matrix at ~70 token counts, which on this 540 MB model takes minutes in a fresh
-measurement cache (the tests' own). Which kernel runs changes no output's exactness: the reference
-and every method run under the same plan.
+(`F.linear` at every token count) rather than measured: `core/kernels.py` would spend its budget
+(about 10 s) timing kernels in the tests' own fresh measurement cache. Which kernel runs changes
+no output's exactness: the reference and every method run under the same plan.
 """
 
 from __future__ import annotations
