@@ -245,3 +245,19 @@ def _alive(pid: int) -> bool:
 def test_a_model_the_engine_refuses_is_a_value_error(tmp_path):
     with pytest.raises(ValueError):
         ProcessEngine.start(str(tmp_path / "no-such-model"), timeout=120)
+
+
+def test_serve_starts_the_engine_process_by_default(monkeypatch):
+    from typer.testing import CliRunner
+
+    from batchspec.cli import app
+
+    seen = []
+
+    def start_engine_process(target, draft, config, dtype, device, settings):
+        seen.append((config.batch_size, settings.max_waiting))
+        raise ValueError("stop here")
+
+    monkeypatch.setattr("batchspec.cli.serve.start_engine_process", start_engine_process)
+    result = CliRunner().invoke(app, ["serve", "--batch-size", "3", "--max-waiting", "5"])
+    assert result.exit_code == 2 and "stop here" in result.output and seen == [(3, 5)]
