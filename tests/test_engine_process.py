@@ -247,7 +247,7 @@ def test_a_model_the_engine_refuses_is_a_value_error(tmp_path):
         ProcessEngine.start(str(tmp_path / "no-such-model"), timeout=120)
 
 
-def test_serve_starts_the_engine_process_by_default(monkeypatch):
+def test_serve_engine_process_starts_the_engine_process(monkeypatch):
     from typer.testing import CliRunner
 
     from batchspec.cli import app
@@ -259,5 +259,5 @@ def test_serve_starts_the_engine_process_by_default(monkeypatch):
         raise ValueError("stop here")
 
     monkeypatch.setattr("batchspec.cli.serve.start_engine_process", start_engine_process)
-    result = CliRunner().invoke(app, ["serve", "--batch-size", "3", "--max-waiting", "5"])
+    result = CliRunner().invoke(app, ["serve", "--engine-process", "--batch-size", "3", "--max-waiting", "5"])
     assert result.exit_code == 2 and "stop here" in result.output and seen == [(3, 5)]

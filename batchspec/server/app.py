@@ -6,7 +6,7 @@
     GET  /health                200 while the engine loop runs (never needs the API key)
     GET  /metrics               Prometheus text (see metrics.py)
 
-The engine's rounds run in their own process (`ProcessEngine`, `batchspec serve`'s default), or on
+The engine's rounds run in their own process (`ProcessEngine`, `batchspec serve --engine-process`), or on
 one thread of this one (`AsyncEngine`); handlers only queue requests and await their per-round
 outputs, so the HTTP side never blocks a round, and in the engine process the rounds never hold
 the HTTP side's GIL. Nothing costly
