@@ -42,7 +42,10 @@ def serve(
             if server[name] is not None and server[name] < 0:
                 raise ValueError(f"{flag} must be >= 0, got {server[name]}")
         settings = ServerConfig(**server, model_name=served_model_name or target or "batchspec/default_pair")
-        engine_ = load_engine(target, draft, config, dtype, device)
+        if settings.engine_process:
+            engine_ = start_engine_process(target, draft, config, dtype, device, settings)
+        else:
+            engine_ = load_engine(target, draft, config, dtype, device)
     except ValueError as exc:
         fail(str(exc))
     console.print(f"serving [bold]{settings.model_name}[/] ({config.method}, batch {config.batch_size}"
@@ -52,3 +55,17 @@ def serve(
         run_server(engine_, settings)
     except RuntimeError as exc:
         fail(str(exc))
+
+
+def start_engine_process(target, draft, config, dtype, device, settings):
+    """The engine in its own process (`ProcessEngine`), under the same spinner as `load_engine`;
+    ValueError for what the engine refuses, a clean error line if the process fails."""
+    from ..server.engine_process import ProcessEngine
+
+    with console.status("starting the engine process: loading the models (a machine's first run also times its "
+                        "kernels and step costs)"):
+        try:
+            return ProcessEngine.start(target, draft, config, dtype=dtype, device=device,
+                                       max_waiting=settings.max_waiting, few_rows=settings.few_rows)
+        except RuntimeError as exc:
+            fail(str(exc))

@@ -6,8 +6,10 @@
     GET  /health                200 while the engine loop runs (never needs the API key)
     GET  /metrics               Prometheus text (see metrics.py)
 
-One thread owns the models and runs the engine's rounds (`AsyncEngine`); handlers only queue
-requests and await their per-round outputs, so the HTTP side never blocks a round. Nothing costly
+The engine's rounds run in their own process (`ProcessEngine`, `batchspec serve --engine-process`), or on
+one thread of this one (`AsyncEngine`); handlers only queue requests and await their per-round
+outputs, so the HTTP side never blocks a round, and in the engine process the rounds never hold
+the HTTP side's GIL. Nothing costly
 runs on the event loop: a body is size-checked as it arrives (guard.py), and prompts are checked
 for length, tokenized and rendered by chat templates on `tokenizer_threads` worker threads
 (detokenization happens in the engine's rounds). Every engine
@@ -47,9 +49,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..async_engine import AsyncEngine, QueueFull
 from ..engine import SpecEngine
-from ..sampling import SamplingParams
 from .chat import render
 from .config import ServerConfig
+from .engine_child import warm_up
+from .engine_process import EngineView, ProcessEngine
 from .generation import EngineFailed, Generation
 from .guard import BodyGuard, check_text, text_chars
 from .metrics import ServerMetrics
@@ -85,12 +88,12 @@ class OpenAIServer:
     """The handlers' state: the engine, its asyncio side (started with the app), the metrics, the
     limits in force and the worker threads that prepare prompts."""
 
-    def __init__(self, engine: SpecEngine, config: ServerConfig) -> None:
-        self.spec = engine
+    def __init__(self, engine: SpecEngine | EngineView, config: ServerConfig) -> None:
+        self.spec = engine  # with an engine process: its limits, tokenizer and last round's state
         self.config = config
         self.model_name = config.model_name
         self.metrics = ServerMetrics(engine)
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | ProcessEngine | None = None
         self.created = int(time.time())
         tok = engine.pair.tokenizer
         self.longest_token = max((len(t) for t in tok.get_vocab()), default=1) if tok is not None else 1
@@ -330,15 +333,17 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
-def create_app(engine: SpecEngine | AsyncEngine, config: ServerConfig | None = None, **settings) -> FastAPI:
+def create_app(engine: SpecEngine | AsyncEngine | ProcessEngine, config: ServerConfig | None = None,
+               **settings) -> FastAPI:
     """The FastAPI app over `engine`, with `config` (ServerConfig's defaults) and any of its fields
     given as keywords (`model_name=...`, `api_key=...`, `max_waiting=...`). Given a SpecEngine, its
     AsyncEngine loop thread starts with the app (lifespan) and stops with it (max_waiting,
-    few_rows: see `AsyncEngine`); given an AsyncEngine, whoever made it runs and closes it
-    (`serve`: on the main thread). Either way `app.state.server` holds the handlers' state
-    (`.engine` is the AsyncEngine once started). host, port and log_level matter to `serve` only."""
+    few_rows: see `AsyncEngine`); given an AsyncEngine or a ProcessEngine (the engine in its own
+    process), whoever made it runs and closes it (`serve`). Either way `app.state.server` holds the
+    handlers' state (`.engine` is the AsyncEngine or ProcessEngine once started). host, port,
+    log_level and engine_process matter to `serve` only."""
     config = dataclasses.replace(config or ServerConfig(), **settings)
-    given = engine if isinstance(engine, AsyncEngine) else None
+    given = engine if isinstance(engine, (AsyncEngine, ProcessEngine)) else None
     server = OpenAIServer(engine.engine if given is not None else engine, config)
     if given is not None:
         given.on_step = server.metrics.on_step
@@ -402,21 +407,21 @@ def _describe(errors) -> str:
     return "; ".join(parts)
 
 
-def warm_up(engine: SpecEngine) -> None:
-    """One short generation before serving, so that the first client does not pay for first-call setup."""
-    prompt = "def main():\n" if engine.pair.tokenizer is not None else [0]
-    engine.generate([prompt], SamplingParams(max_new_tokens=engine.gamma + 2))
+def serve(engine: SpecEngine | ProcessEngine, config: ServerConfig | None = None, **settings) -> None:
+    """Serve until interrupted (Ctrl-C or SIGTERM: uvicorn stops taking requests and finishes those
+    in flight first), with `config` and any of its fields as keywords (see `create_app`).
 
-
-def serve(engine: SpecEngine, config: ServerConfig | None = None, **settings) -> None:
-    """Serve until interrupted (Ctrl-C or SIGTERM), with `config` and any of its fields as keywords
-    (see `create_app`). The engine's rounds run on the calling thread, the one that loaded the
-    models and warmed them up, and uvicorn on another: with torch's OpenMP build, rounds on a
-    second thread after the first had run torch took 1.5x as long (see `AsyncEngine`). Raises
-    RuntimeError when the HTTP server cannot start (e.g. the port is taken)."""
+    A ProcessEngine (`ProcessEngine.start`: the engine in its own process) is served by uvicorn on
+    the calling thread and closed at the end. A SpecEngine's rounds run on the calling thread, the
+    one that loaded the models and warmed them up, and uvicorn on another: with torch's OpenMP
+    build, rounds on a second thread after the first had run torch took 1.5x as long (see
+    `AsyncEngine`). Raises RuntimeError when the HTTP server cannot start (e.g. the port is taken)."""
     import uvicorn
 
     config = dataclasses.replace(config or ServerConfig(), **settings)
+    if isinstance(engine, ProcessEngine):
+        _serve_process(engine, config)
+        return
     warm_up(engine)
     runner = AsyncEngine(engine, max_waiting=config.max_waiting, few_rows=config.few_rows, start=False)
     app = create_app(runner, config)
@@ -442,6 +447,25 @@ def serve(engine: SpecEngine, config: ServerConfig | None = None, **settings) ->
         http.should_exit = True
         thread.join(timeout=30)
         runner.close()
+        signal.signal(signal.SIGTERM, on_term)
+    if not http.started:
+        raise RuntimeError(f"the HTTP server did not start on {host}:{port} (see the log above)")
+
+
+def _serve_process(engine: ProcessEngine, config: ServerConfig) -> None:
+    import uvicorn
+
+    app = create_app(engine, config)
+    host, port, log_level = config.host, config.port, config.log_level
+    http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                         access_log=log_level in ("info", "debug", "trace")))
+    # uvicorn drains on SIGINT / SIGTERM, then raises the signal again: as KeyboardInterrupt here
+    on_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        with contextlib.suppress(KeyboardInterrupt, SystemExit):  # SystemExit: it could not start (said below)
+            http.run()
+    finally:
+        engine.close()
         signal.signal(signal.SIGTERM, on_term)
     if not http.started:
         raise RuntimeError(f"the HTTP server did not start on {host}:{port} (see the log above)")

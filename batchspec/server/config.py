@@ -30,6 +30,9 @@ class ServerConfig:
     few_rows      on a CPU, run rounds on one torch thread while at most this many requests are in
                   the engine, leaving the other cores to the HTTP side (0: never; see AsyncEngine).
     log_level     uvicorn's log level (info and below log every request).
+    engine_process  run the engine in its own process (`serve` only): its rounds and the HTTP event
+                  loop share no GIL; off (the default until measured no slower): on the main thread
+                  of the server's process.
     """
 
     # (metadata: how `batchspec serve` names and files each field's option; see cli/options.py)
@@ -44,6 +47,7 @@ class ServerConfig:
     retry_after: int = field(default=1, metadata={"metavar": "S", "panel": "Expert"})
     few_rows: int = field(default=0, metadata={"metavar": "N", "panel": "Expert", "flags": ("--single-thread-rows",)})
     log_level: str = field(default="warning", metadata={"metavar": "NAME"})
+    engine_process: bool = field(default=False, metadata={"panel": "Expert"})
 
     def __post_init__(self) -> None:
         if not self.host:
