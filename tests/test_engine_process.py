@@ -29,6 +29,8 @@ from batchspec import EngineConfig, SamplingParams, SpecEngine, load_pair
 from batchspec.server import create_app, serve
 from batchspec.server.engine_process import ProcessEngine
 
+pytestmark = pytest.mark.slow  # each test spawns an engine process that loads its models
+
 torch.set_num_threads(1)  # the machine is shared: one thread per torch process (the child's: OMP_NUM_THREADS)
 
 MODEL = "tiny-llama"

@@ -144,17 +144,18 @@ def _measure(weights: list[torch.Tensor], linear, mm, repeats: int) -> Plan:
     the order a forward reads them and still far more than the caches hold.
 
     Example: SmolLM2-135M in float32 (121 matrices, 540 MB) took 12 minutes on a busy 2-core
-    EPYC timed whole; an untimed pass of 0.2 s over them estimates a ladder sweep at
-    2 kernels x 68 counts x 0.2 s x 2 = 54 s, so every 20th matrix is timed (27 MB): three
-    ladder sweeps in about 8 s."""
+    EPYC timed whole; an untimed pass of 0.1 s over them (both kernels, one token) estimates a
+    sweep at 0.1 s x the counts' sum of max(1, n / 16) (about 250) = 25 s, so every 5th matrix is
+    timed (about 100 MB): a first sweep of about 5 s, and a second while the budget lasts."""
     kernels = (("linear", linear), ("mm", mm))
     with torch.no_grad():
         start = time.perf_counter()
         for _, fn in kernels:  # untimed: the first pass over the matrices pays for what the rest do not
             for w in weights:
                 fn(torch.randn(1, w.shape[1]), w)
-        sweep_s = (time.perf_counter() - start) * len(COUNTS) * 2  # a count's pass costs ~2x one token's, on average
-        weights = weights[:: max(1, math.ceil(sweep_s * LADDER_SWEEPS / BUDGET_S))]
+        # a pass over n tokens costs about one token's up to 16 (reading the weights), n / 16 of it above
+        sweep_s = (time.perf_counter() - start) * sum(max(1.0, n / 16) for n in COUNTS)
+        weights = weights[:: max(1, math.ceil(2 * sweep_s / BUDGET_S))]  # the first sweep in half the budget
         return plan_from_times(*_sweeps(weights, kernels, repeats, start))
 
 
