@@ -17,6 +17,8 @@ from batchspec.sched.adaptive import AdaptivePolicy, Calibration
 from batchspec.sched.cost_model import CostModel
 from batchspec.sched.tetris import cumulative
 
+SLOW = pytest.mark.slow
+
 
 def expected_tokens(alpha: float, gamma: int) -> float:
     """Tokens a round commits when every draft is accepted with probability alpha independently."""
@@ -321,8 +323,8 @@ def test_acceptance_estimate_moves_from_the_prior_to_the_record():
 
 
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])
-@pytest.mark.parametrize("options", [dict(adaptive=True), dict(adaptive=False, budget=5),
-                                     dict(adaptive=True, budget=3)])
+@pytest.mark.parametrize("options", [dict(adaptive=True), pytest.param(dict(adaptive=False, budget=5), marks=SLOW),
+                                     pytest.param(dict(adaptive=True, budget=3), marks=SLOW)])
 def test_adaptive_and_budgets_keep_greedy_exact(method, options):
     p = pair("llama", "perturbed")
     ids = prompts(16, seed=7)

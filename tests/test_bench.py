@@ -368,6 +368,7 @@ def test_reference_check_against_transformers(tiny_dirs):
     assert not result["identical"] and result["exact_match"] == 0.5
 
 
+@pytest.mark.slow
 def test_cli_bench_and_verify(tiny_dirs, tmp_path):
     runner = CliRunner()
     prompts = tmp_path / "p.jsonl"

@@ -114,6 +114,7 @@ def counting_cuts(monkeypatch) -> list[int]:
     return cuts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCH_PARAMS)
 def test_windowed_draft_model_is_exact(arch, monkeypatch):
     """Prompts of 1-60 tokens, 20 new tokens and a window of 8 (rows of 12 to 20 tokens): longer

@@ -19,7 +19,7 @@ from batchspec import EngineConfig, ModelPair, SamplingParams, SpecEngine
 
 MAX_NEW = 20
 BATCH_SIZES = (1, 2, 3, 8, 32)
-GAMMAS = (1, 3, 5)
+GAMMAS = (pytest.param(1, marks=pytest.mark.slow), 3, pytest.param(5, marks=pytest.mark.slow))
 
 
 @functools.cache

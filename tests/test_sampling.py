@@ -87,7 +87,7 @@ CASES = [
     pytest.param(SamplingParams(temperature=0.7, top_k=4), "exspec", 8, 2, marks=pytest.mark.slow),
     (SamplingParams(temperature=1.3, top_p=0.8), "eqspec", 32, 1),
     pytest.param(SamplingParams(temperature=1.0, top_k=5, top_p=0.9), "exspec", 16, 4, marks=pytest.mark.slow),
-    (SamplingParams(temperature=1.0), "autoregressive", 16, 1),
+    pytest.param(SamplingParams(temperature=1.0), "autoregressive", 16, 1, marks=pytest.mark.slow),
 ]
 
 
