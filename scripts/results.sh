@@ -7,7 +7,7 @@
 # README's table shows, character for character; change both together. Timings are side by side
 # within a run (bench's step pairing), but run nothing else on the machine meanwhile.
 # On a 2-core CPU: bundled about 50 minutes (batch 1 with the transformers peers is most of it),
-# smollm2 about 25 minutes, once SmolLM2 is fetched (`batchspec models fetch smollm2-135m`).
+# smollm2 about 35 minutes, once SmolLM2 is fetched (`batchspec models fetch smollm2-135m`).
 
 # The bundled pair (batchspec/assets/default_pair): exactness, the default against plain decoding and
 # transformers (one run per batch size), `batchspec generate`'s own workload, the drafters on `echo`.
@@ -29,14 +29,12 @@ results_bundled() {
 # through its chat template: exactness per drafter; plain decoding against transformers' generate and the
 # default against plain decoding with the twin, in one run; the model-free drafters on the grounded set.
 results_smollm2() {
-  for D in ngram hybrid; do
-    batchspec verify --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec,exspec \
-      --batch-sizes 1,8,32 --drafter "$D" --num-prompts 32 --max-new-tokens 32 --json "docs/results/smollm2_verify_$D.json"
-  done
+  batchspec verify --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec,exspec \
+    --batch-sizes 1,8,32 --drafter ngram --num-prompts 32 --max-new-tokens 32 --json docs/results/smollm2_verify_ngram.json
   batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --peers hf --twin \
     --batch-sizes 1,8,32 --num-prompts 32 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_default.json
   batchspec bench --target smollm2-135m --chat --prompts grounded --methods autoregressive,eqspec \
-    --drafters ngram,suffix,hybrid --batch-sizes 1,8 --twin --num-prompts 16 --max-new-tokens 64 --repeat 2 \
+    --drafters ngram,suffix,hybrid --batch-sizes 1,8 --twin --num-prompts 16 --max-new-tokens 48 --repeat 2 \
     --json docs/results/smollm2_drafters_grounded.json
 }
 

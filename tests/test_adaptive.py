@@ -322,7 +322,7 @@ def test_acceptance_estimate_moves_from_the_prior_to_the_record():
     assert policy.alpha(0, 40) < 0.1 and policy.alpha(40, 40) > 0.9
 
 
-@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+@pytest.mark.parametrize("method", ["eqspec", pytest.param("exspec", marks=SLOW)])
 @pytest.mark.parametrize("options", [dict(adaptive=True), pytest.param(dict(adaptive=False, budget=5), marks=SLOW),
                                      pytest.param(dict(adaptive=True, budget=3), marks=SLOW)])
 def test_adaptive_and_budgets_keep_greedy_exact(method, options):

@@ -41,8 +41,10 @@ def test_tail_logits_are_each_rows_last_fed_columns(forward, pack, monkeypatch):
 
 
 @pytest.mark.parametrize("options", [dict(method="autoregressive"), dict(drafter="draft_model", adaptive=False),
-                                     dict(drafter="draft_model", adaptive=True), dict(drafter="ngram"),
-                                     dict(drafter="draft_model", adaptive=False, max_prefill_tokens=24)])
+                                     pytest.param(dict(drafter="draft_model", adaptive=True), marks=pytest.mark.slow),
+                                     pytest.param(dict(drafter="ngram"), marks=pytest.mark.slow),
+                                     pytest.param(dict(drafter="draft_model", adaptive=False, max_prefill_tokens=24),
+                                                  marks=pytest.mark.slow)])
 def test_fused_prefill_is_exact_and_saves_forwards(options):
     """Rows joining with their prompts (EOS ends rows at different rounds, so refills arrive while
     others decode) give the reference greedy output, as prefilling apart does, with fewer prefill

@@ -169,8 +169,8 @@ def residual_unnormalised(p, q, drafts, u_accept, u_final, lengths=None):
     return _redraw_recovered(p, q, drafts, u_accept, u_final, lengths, draw)
 
 
-@pytest.mark.parametrize("broken", [bonus_from_draft, pytest.param(residual_unclamped, marks=pytest.mark.slow),
-                                    pytest.param(residual_unnormalised, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (the statistical test itself, sp2 above, is in the fast tier)
+@pytest.mark.parametrize("broken", [bonus_from_draft, residual_unclamped, residual_unnormalised])
 def test_broken_verifiers_fail_the_same_test(monkeypatch, broken):
     monkeypatch.setattr(round_module, "rejection_verify", broken)
     sp = SamplingParams(temperature=1.0)
