@@ -69,7 +69,7 @@ def test_no_engine_option_given_builds_engine_config_defaults(monkeypatch, name)
         raise ValueError("stop here")
 
     monkeypatch.setattr(f"batchspec.cli.{name}.load_engine", load_engine)
-    result = runner.invoke(app, [name] + (["--prompt", "x"] if name == "generate" else []))
+    result = runner.invoke(app, [name] + (["--prompt", "x"] if name == "generate" else ["--no-engine-process"]))
     assert result.exit_code == 2 and "error: stop here" in result.output, result.output
     assert seen == [EngineConfig()]
 
@@ -218,7 +218,7 @@ def test_serve_keeps_max_batch_size_as_a_hidden_alias(monkeypatch):
         raise ValueError("stop here")
 
     monkeypatch.setattr("batchspec.cli.serve.load_engine", load_engine)
-    assert runner.invoke(app, ["serve", "--max-batch-size", "3"]).exit_code == 2
+    assert runner.invoke(app, ["serve", "--no-engine-process", "--max-batch-size", "3"]).exit_code == 2
     assert seen[-1].batch_size == 3
     assert "--max-batch-size" in params("serve")["max_batch_size"].opts and params("serve")["max_batch_size"].hidden
 
