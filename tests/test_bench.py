@@ -237,6 +237,7 @@ def test_the_warm_up_runs_the_whole_workload_on_cuda_only():
     assert doctest.testmod(runner_module).failed == 0
 
 
+@pytest.mark.slow
 def test_peak_memory_is_the_peak_inside_the_block_with_no_thread_beside_it():
     """On Linux the kernel's high water mark, reset on entry: a larger peak before the block does
     not count, one inside it does even once freed, and no sampling thread runs beside the timed code."""

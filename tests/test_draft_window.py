@@ -134,6 +134,7 @@ def test_windowed_draft_model_is_exact(arch, monkeypatch):
     assert all(engine.stats.accept_hist[a] for a in range(4)), engine.stats.accept_hist  # (fixed γ = 3)
 
 
+@pytest.mark.slow
 def test_windowed_hybrid_is_exact(monkeypatch):
     """The hybrid's draft model catches up on what its lookup drafted: cut like any feed."""
     cuts = counting_cuts(monkeypatch)

@@ -609,7 +609,8 @@ class Recorder:
         self.inner.release(req)
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "suffix", "hybrid:ngram", "hybrid:suffix", "ngram:1,3,3"])
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "hybrid:ngram", *(pytest.param(d, marks=pytest.mark.slow)
+                                                                         for d in ("hybrid:suffix", "ngram:1,3,3"))])
 def test_greedy_output_is_exact(drafter):
     pair, ids, refs = loopy()
     if not drafter_uses_model(drafter):

@@ -178,7 +178,8 @@ def test_broken_verifiers_fail_the_same_test(monkeypatch, broken):
 
 
 # ---------------------------------------------------------------------------- seeds and greedy
-@pytest.mark.parametrize("policy", [{}, dict(adaptive=True), dict(budget=4), dict(adaptive=True, budget=6)])
+@pytest.mark.parametrize("policy", [{}, *(pytest.param(p, marks=pytest.mark.slow) for p in
+                                         (dict(adaptive=True), dict(budget=4), dict(adaptive=True, budget=6)))])
 def test_seeded_output_does_not_depend_on_the_batch(policy):
     """With a policy (adaptive lengths, a TETRIS budget) seeded sampled rows are held at fixed γ,
     so they give what they give alone; the greedy and unseeded rows beside them are planned."""
