@@ -109,15 +109,7 @@ class AsyncEngine:
             torch.set_num_threads(want)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
-        with self._lock:
-            for out in outputs:
-                target = self._streams.pop(out.index, None) if out.finished else self._streams.get(out.index)
-                if target is not None:
-                    by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # that event loop was closed: nobody is listening
-                loop.call_soon_threadsafe(_put_all, items)
+        deliver(self._streams, self._lock, outputs)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._lock:
@@ -198,6 +190,20 @@ class AsyncEngine:
             self._streams.pop(rid, None)
         self.engine.abort(rid)
         self._wake.set()
+
+
+def deliver(streams: dict, lock, outputs: list[StepOutput]) -> None:
+    """Hand each output to its request's queue, {request id: (event loop, queue)} in `streams`,
+    one call per event loop; a finished request's entry is removed (under `lock`)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
+    with lock:
+        for out in outputs:
+            target = streams.pop(out.index, None) if out.finished else streams.get(out.index)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], out))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # that event loop was closed: nobody is listening
+            loop.call_soon_threadsafe(_put_all, items)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:

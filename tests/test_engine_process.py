@@ -195,7 +195,7 @@ def test_sigterm_drains_the_stream_in_flight_and_ends_the_child(tiny_dirs, offli
     serve(engine, port=port, model_name=MODEL)  # returns once drained and the child has ended
     thread.join(timeout=10)
     assert got.get("text") == offline.generate([PROMPTS[4]], SamplingParams(max_new_tokens=40))[0].text
-    assert not engine.process.is_alive() and engine.exitcode == 0  # it stopped, it was not killed
+    assert not engine.process.is_alive() and engine.process.exitcode == 0  # it stopped, it was not killed
 
 
 def _answers(url: str) -> bool:

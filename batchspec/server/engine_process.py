@@ -31,7 +31,7 @@ from multiprocessing.connection import wait
 from types import SimpleNamespace
 from typing import Any
 
-from ..async_engine import QueueFull
+from ..async_engine import QueueFull, deliver
 from ..config import EngineConfig
 from ..core.request import StepOutput
 from ..engine import SpecEngine
@@ -165,15 +165,7 @@ class ProcessEngine:
                 log.exception("on_step failed")
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, StepOutput]]] = {}
-        with self._lock:
-            for out in outputs:
-                target = self._streams.pop(out.index, None) if out.finished else self._streams.get(out.index)
-                if target is not None:
-                    by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # that event loop was closed: nobody is listening
-                loop.call_soon_threadsafe(_put_all, items)
+        deliver(self._streams, self._lock, outputs)
 
     def _fail(self, rids: list[int], exc: Exception) -> None:
         with self._lock:
@@ -247,8 +239,3 @@ def _end(process, commands, timeout: float) -> None:
         process.join()
     commands.cancel_join_thread()  # what is still buffered for a dead child is dropped, not waited for
     commands.close()
-
-
-def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:
-    for queue, out in items:
-        queue.put_nowait(out)
