@@ -1,5 +1,5 @@
 """Measurements kept on disk, so a machine measures a thing once, not once per process: the
-adaptive policy's step-cost profiles (`bench/costs.py`, which keeps them in memory too) and which
+scheduling policy's cost tables (`sched/profile.py`, which keeps them in memory too) and which
 matrix-product kernel a few tokens take on this CPU (`core/kernels.py`).
 
 A profile's cost depends on the architecture, not on the weights: the key is each model's config
@@ -9,7 +9,7 @@ and the profile's grid. Files go under `$BATCHSPEC_CACHE` (default `$XDG_CACHE_H
 the disk cache off. A profile is written whole or not at all (a temporary file renamed), and a
 folder that cannot be written is not an error: the engine profiles again next time. A profile read
 back is checked against one pass timed now and measured again if it was taken at a busy moment
-(`bench/costs.py`).
+(`sched/profile.py`).
 """
 
 from __future__ import annotations
@@ -84,17 +84,3 @@ def write(path: Path | None, data) -> None:
         os.replace(part, path)
     except OSError:
         pass
-
-
-def load(path: Path | None) -> dict | None:
-    data = read(path)
-    try:
-        return {"verify_s": {(b, n): s for b, n, s in data["verify_s"]}, "token_s": data["token_s"],
-                "draft_s": {b: s for b, s in data["draft_s"]}, "catch_up_s": data["catch_up_s"]}
-    except (KeyError, TypeError, ValueError):
-        return None  # none, unreadable or from another version: profile again
-
-
-def save(path: Path | None, profile: dict) -> None:
-    write(path, {"verify_s": [[b, n, s] for (b, n), s in profile["verify_s"].items()], "token_s": profile["token_s"],
-                 "draft_s": [[b, s] for b, s in profile["draft_s"].items()], "catch_up_s": profile["catch_up_s"]})

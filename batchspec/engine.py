@@ -37,19 +37,12 @@ from .core.request import FinishReason, Output, Request, StepOutput
 from .core.runner import ModelRunner, content_ids, kv_shape
 from .core.stats import RunStats, StageTimer
 from .decode import run_round
-from .drafters import (
-    drafter_needs_model,
-    drafter_requires_model,
-    drafter_uses_model,
-    make_drafter,
-    missing_draft,
-    model_drafter,
-)
+from .drafters import drafter_needs_model, drafter_requires_model, drafter_uses_model, make_drafter, missing_draft
 from .models import ModelPair, context_length
 from .sampling import SamplingParams, make_generator
 from .sched import make_scheduler, plan_prefill
-from .sched.adaptive import AdaptivePolicy
-from .sched.cost_model import CostModel
+from .sched.policy import SpecPolicy
+from .sched.profile import cost_table
 from .sched.slots import SlotTable, arrange
 
 KV_MEMORY_FRACTION = 0.5  # at most this share of the memory free at start-up, when no --max-kv-tokens is given
@@ -93,17 +86,13 @@ class SpecEngine:
         self._requests: dict[int, Request] = {}  # taken in and not yet ended
         self._stashed: list[StepOutput] = []  # other requests' outputs drawn by stream(): the next step() returns them
         self.scheduler = make_scheduler(cfg)
-        self.drafter = None
+        self.drafter = self.policy = None
+        self.trace = None  # a `sched.replay.TraceRecorder` records every round when set
         if cfg.speculative:
             self.drafter = make_drafter(cfg.drafter, draft_runner=self.draft_runner, device=self.device,
-                                        vocab_size=pair.vocab_size, compute_reference=self._oracle_reference)
-        self.policy = self._policy() if (cfg.adaptive or cfg.budget is not None) and cfg.speculative else None
-        model = self.draft_model = model_drafter(self.drafter)  # the draft model's drafter (a hybrid's part), or None
-        if model is not None:
-            model.window = cfg.draft_window
-        if model is not None and self.policy is not None:  # TETRIS ranks greedy drafts by q(d_j), and the
-            model.report_confidence = True  # policy stops a row's drafting when its next draft is not worth a step
-            model.stop = self.policy.cut if self.policy.cost is not None else None
+                                        vocab_size=pair.vocab_size, compute_reference=self._oracle_reference,
+                                        draft_window=cfg.draft_window, forward=cfg.forward)
+            self.policy = self._policy()
 
     @classmethod
     def from_pretrained(cls, target: str | None = None, draft: str | None = None,
@@ -122,22 +111,16 @@ class SpecEngine:
     def gamma(self) -> int:
         return self.config.gamma if self.config.speculative else 0
 
-    def _policy(self) -> AdaptivePolicy:
-        """Adaptive lengths (profiling the step costs it needs: a few seconds, cached) and/or a
-        fixed TETRIS budget."""
-        from .bench.costs import profile_costs
-        from .core.forward import LeanForward
-
+    def _policy(self) -> SpecPolicy:
+        """The scheduling policy; adaptive, it prices rounds by a cost table measured once for these
+        models on this machine (a few seconds, cached: sched/profile.py)."""
         cfg = self.config
-        packed = isinstance(self.target.forward, LeanForward)  # computes only real tokens
-        cost = None
+        table = None
         if cfg.adaptive:
-            rows, cols = (1, max(2, cfg.batch_size)), tuple(range(1, cfg.gamma + 2))
-            draft = self.pair.draft if self.draft_runner is not None else None  # None: a model-free drafter
-            profile = profile_costs(self.pair.target, draft, rows, cols, forward=cfg.forward)
-            cost = CostModel(rows, cols, profile["verify_s"], profile["draft_s"], token_s=profile["token_s"],
-                             catch_up_s=profile["catch_up_s"])
-        return AdaptivePolicy(cost, cfg.gamma, budget=cfg.budget, packed=packed)
+            table = cost_table(self.pair.target, self.drafter, self.pair.draft if self.draft_runner else None,
+                               cfg.batch_size, cfg.gamma, cfg.forward)
+            table = replace(table, scale=dict(table.scale), _by_rows={})  # (corrected per engine)
+        return SpecPolicy(cfg.gamma, table, cfg.budget)
 
     def _row_capacity(self, target, draft) -> int:
         """Columns per row: `max_kv_tokens` / rows, or the model context (+ one round), capped so
@@ -254,11 +237,12 @@ class SpecEngine:
         rest = [r for r in prefilling if r.index not in joining]
         if rest:
             self._prefill(rest, stats)
-        if fused:
+        if fused and not (self.drafter is not None and self.drafter.features):  # (those read the round's pass)
+            fused = sorted(fused, key=lambda r: r.slot)
             self._prefill_drafter(fused, [r.num_tokens - 1 for r in fused])
         batch = self._arrange(self.scheduler.next_batch() + fused, stats)
         if batch:
-            run_round(self, batch, stats)
+            run_round(batch, self.target, self.drafter, self.policy, self.gamma, self.timer, stats, self.trace)
         stats.peak_kv_tokens = self.kv_tokens_in_use()
         outputs.extend(self._report(r) for r in batch)
         for r in batch:
@@ -337,14 +321,12 @@ class SpecEngine:
                 budget -= lead
         return out
 
-    def _prefill_drafter(self, reqs: list[Request], ends: list[int]) -> None:
-        """The drafter's prefill of `reqs` up to `ends`, where a policy expects rows to draft
-        (else the drafter catches up if and when it drafts)."""
-        rows = min(len(self.scheduler.resident), self.config.batch_size)
-        if self.drafter is not None and (self.policy is None or self.policy.speculates(rows)):
-            pairs = sorted(zip(reqs, ends), key=lambda re: re[0].slot)  # feed() takes slot order
+    def _prefill_drafter(self, reqs: list[Request], ends: list[int], hidden=None) -> None:
+        """The drafter's prefill of `reqs` (in slot order) up to `ends`; `hidden`: the target's
+        features of the chunk, for a drafter that reads them."""
+        if self.drafter is not None:
             with self.timer.stage("prefill"):
-                self.drafter.prefill([r for r, _ in pairs], [e for _, e in pairs])
+                self.drafter.prefill(reqs, ends, hidden)
 
     def _prefill(self, reqs: list[Request], stats: RunStats) -> None:
         """One prefill chunk: at most max_prefill_tokens slots (rows x width) of prompt tokens."""
@@ -353,10 +335,12 @@ class SpecEngine:
         rows = sorted(((r, n) for r, n in zip(reqs, chunk) if n > 0), key=lambda rn: rn[0].slot)
         reqs, counts = [r for r, _ in rows], [n for _, n in rows]
         ends = [r.kv_len.get("target", 0) + n for r, n in rows]
+        features = self.drafter.features if self.drafter is not None else None
         with self.timer.stage("prefill"):
-            self.target.feed(reqs, content_ids(reqs, ends, counts, self.device), counts, logits="none")
+            out = self.target.feed(reqs, content_ids(reqs, ends, counts, self.device), counts, logits="none",
+                                   **({"hidden": features} if features else {}))
             self.target.commit(reqs, counts)
-        self._prefill_drafter(reqs, ends)
+        self._prefill_drafter(reqs, ends, out[1] if features else None)
         stats.prefill_forwards += 1
         stats.prefill_tokens += sum(counts)
 

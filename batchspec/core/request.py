@@ -19,20 +19,41 @@ class FinishReason(str, Enum):
     ABORT = "abort"  # aborted by the caller (e.g. its client went away)
 
 
+class AcceptanceRecord:
+    """Per draft position j (0-based): how many drafts at j were verified with every draft before
+    them accepted (`reached[j]`), and how many of those were accepted (`accepted[j]`). The rate
+    accepted[j] / reached[j] is P(d_{j+1} accepted | d_1..d_j accepted): acceptance comes in runs,
+    so later positions are judged given the earlier ones (sched/policy.py).
+
+    Example: a round verifying 4 drafts and accepting 2 reaches positions 0, 1, 2 (position 3
+    follows a rejection) and accepts at 0 and 1: reached [1, 1, 1, 0], accepted [1, 1, 0, 0]."""
+
+    __slots__ = ("reached", "accepted")
+
+    def __init__(self) -> None:
+        self.reached: list[int] = []
+        self.accepted: list[int] = []
+
+    def add(self, a: int, n: int) -> None:
+        """A round that verified n drafts and accepted a of them."""
+        reach = min(a + 1, n)
+        if len(self.reached) < n:
+            grow = n - len(self.reached)
+            self.reached += [0] * grow
+            self.accepted += [0] * grow
+        for j in range(reach):
+            self.reached[j] += 1
+            self.accepted[j] += j < a
+
+
 @dataclass
 class RequestStats:
     rounds: int = 0  # target forward passes this request took part in (prefill excluded)
     drafted: int = 0  # draft tokens proposed for it
     accepted: int = 0  # draft tokens the target accepted
-    first_drafted: int = 0  # rounds in which it drafted at least one token
-    first_accepted: int = 0  # ... and the first draft was accepted
-    looked_up: int = 0  # rounds in which a hybrid drafter's lookup, not its draft model, drafted for it
-    later_reached: int = 0  # its drafts after the first that were verified with every draft before them accepted
-    later_accepted: int = 0  # ... and were accepted
-    # the lookup's part of first_accepted, later_reached and later_accepted (its drafts are judged apart)
-    looked_accepted: int = 0
-    looked_later_reached: int = 0
-    looked_later_accepted: int = 0
+    looked_up: int = 0  # rounds in which a lookup (not a model) drafted for it
+    # its record per source of drafts: a lookup's (True) and a model's (False), judged apart
+    records: dict[bool, AcceptanceRecord] = field(default_factory=dict, repr=False)
 
     @property
     def acceptance_rate(self) -> float:
@@ -40,18 +61,17 @@ class RequestStats:
 
     def count_drafts(self, a: int, n: int, looked: bool) -> None:
         """A round in which the request verified n >= 1 drafts and accepted a of them; `looked`: a
-        hybrid drafter's lookup drafted them. (A round verifying none changes none of these.)"""
+        lookup drafted them. (A round verifying none changes none of these.)"""
         self.drafted += n
         self.accepted += a
-        self.first_drafted += 1
-        self.first_accepted += a > 0
-        self.later_reached += min(a + 1, n) - 1  # d_2.. reached: the drafts before the first rejected one
-        self.later_accepted += max(0, a - 1)
-        if looked:
-            self.looked_up += 1
-            self.looked_accepted += a > 0
-            self.looked_later_reached += min(a + 1, n) - 1
-            self.looked_later_accepted += max(0, a - 1)
+        self.looked_up += looked
+        self.record(looked).add(a, n)
+
+    def record(self, looked: bool) -> AcceptanceRecord:
+        rec = self.records.get(looked)
+        if rec is None:
+            rec = self.records[looked] = AcceptanceRecord()
+        return rec
 
 
 @dataclass(eq=False)

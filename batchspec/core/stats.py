@@ -96,9 +96,8 @@ class RunStats:
     finished: int = 0  # requests that ended (aborted ones included)
     peak_kv_tokens: int = 0  # most target KV tokens committed at once
     gamma_hist: Counter = field(default_factory=Counter)  # drafts verified per row-round (γ_i) -> count
-    predicted_s: float = 0.0  # adaptive: the policy's predicted draft + verify seconds, summed
+    predicted_s: float = 0.0  # adaptive: the cost table's predicted draft + verify seconds, summed
     measured_s: float = 0.0  # ... and what those stages took
-    standing_rounds: int = 0  # adaptive: rounds run at the standing length, not planned (sched/standing.py)
     round_time: dict = field(default_factory=dict)  # (rows, verified drafts) -> [rounds, tokens, seconds]: `round_gain`
     wall: float = 0.0
     stage_time: dict[str, float] = field(default_factory=dict)
@@ -107,7 +106,7 @@ class RunStats:
         """Add `other` (one step's numbers) into these; peaks take the maximum."""
         for name in ("rounds", "row_rounds", "drafted", "accepted", "emitted", "idle_rows", "padding_tokens",
                      "prefill_forwards", "prefill_tokens", "fused_prefills", "moved_rows", "recomputed_rows", "aborted",
-                     "finished", "predicted_s", "measured_s", "standing_rounds", "wall"):
+                     "finished", "predicted_s", "measured_s", "wall"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accept_hist.update(other.accept_hist)
         self.gamma_hist.update(other.gamma_hist)
@@ -151,7 +150,6 @@ class RunStats:
                          "verified_per_round": self.drafted / rounds,
                          "accepted_per_verified": self.accepted / self.drafted if self.drafted else None,
                          "predicted_over_measured": self.predicted_s / self.measured_s if self.measured_s else None,
-                         "standing_share": self.standing_rounds / self.rounds if self.rounds else None,
                          **round_gain(self.round_time)}
             if self.gamma_hist else None,
             "time_share": share,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import hybrid, ngram, suffix
-from .base import Drafter, DraftProposal
+from .base import Drafter, DraftProposal, RoundOutcome
 from .hybrid import HybridDrafter
 from .model import DraftModelDrafter
 from .ngram import NgramDrafter
@@ -30,6 +30,11 @@ class BuildContext:
     references: MutableMapping[tuple[int, ...], list[int]] | None = None
     seed: int = 0
     compute_reference: Callable | None = None
+    draft_window: int | None = None  # the draft model's window (drafters/model.py)
+    forward: str = "auto"  # how the models run (EngineConfig.forward), for the drafter's step probe
+
+    def draft_model(self) -> DraftModelDrafter:
+        return DraftModelDrafter(self.draft_runner, self.draft_window, self.forward)
 
 
 @dataclass(frozen=True)
@@ -99,13 +104,13 @@ def missing_draft(drafter: str) -> str:
 def _build_draft_model(_, ctx: BuildContext) -> Drafter:
     if ctx.draft_runner is None:
         raise ValueError(missing_draft("draft_model"))
-    return DraftModelDrafter(ctx.draft_runner)
+    return ctx.draft_model()
 
 
 def _build_oracle(prob: float, ctx: BuildContext) -> Drafter:
     if ctx.references is None and ctx.compute_reference is None:
         raise ValueError("the oracle drafter needs the target's reference outputs or a way to compute them")
-    cost = DraftModelDrafter(ctx.draft_runner) if ctx.draft_runner is not None else None
+    cost = ctx.draft_model() if ctx.draft_runner is not None else None
     label = f"oracle:{prob:g} (synthetic{', draft-model cost' if cost else ', zero draft cost'})"
     return OracleDrafter(ctx.references if ctx.references is not None else {}, bernoulli_mismatch(prob, ctx.seed),
                          ctx.vocab_size, ctx.device, cost, label, ctx.compute_reference)
@@ -133,7 +138,7 @@ def _build_hybrid(args: tuple[str, Any], ctx: BuildContext) -> Drafter:
     alone: what the hybrid does on every row the lookup matches, and plain decoding elsewhere."""
     name, options = args
     lookup = REGISTRY[name].build(options, ctx)
-    return HybridDrafter(DraftModelDrafter(ctx.draft_runner), lookup) if ctx.draft_runner is not None else lookup
+    return HybridDrafter(ctx.draft_model(), lookup) if ctx.draft_runner is not None else lookup
 
 
 REGISTRY: dict[str, DrafterSpec] = {
@@ -149,7 +154,7 @@ REGISTRY: dict[str, DrafterSpec] = {
                           _suffix_args, lambda args, ctx: SuffixDrafter(ctx.device, *args), "unused"),
     "hybrid": DrafterSpec("hybrid[:suffix[:...]|ngram[:...]]",
                           f"{hybrid.LOOKUP} where it has a confident match, the draft model for the other rows "
-                          f"while it pays (default hybrid:{hybrid.LOOKUP}); the lookup alone without a draft model",
+                          f"where it pays (default hybrid:{hybrid.LOOKUP}); the lookup alone without a draft model",
                           _hybrid_args, _build_hybrid, "wanted"),
     "oracle": DrafterSpec("oracle:<p>", "synthetic, knows the target's output: for overhead studies",
                           _oracle_prob, _build_oracle, "optional", synthetic=True),
@@ -203,23 +208,17 @@ def split_drafters(text: str) -> list[str]:
     return specs
 
 
-def model_drafter(drafter: Drafter | None) -> DraftModelDrafter | None:
-    """The draft model's drafter inside `drafter` (itself, or a hybrid's model part), or None."""
-    if isinstance(drafter, DraftModelDrafter):
-        return drafter
-    model = getattr(drafter, "model", None)
-    return model if isinstance(model, DraftModelDrafter) else None
-
-
 def make_drafter(spec: str, *, draft_runner, device, vocab_size: int,
                  references: MutableMapping[tuple[int, ...], list[int]] | None = None, seed: int = 0,
-                 compute_reference: Callable | None = None) -> Drafter:
+                 compute_reference: Callable | None = None, draft_window: int | None = None,
+                 forward: str = "auto") -> Drafter:
     _, args = parse_drafter(spec)
-    ctx = BuildContext(draft_runner, device, vocab_size, references, seed, compute_reference)
+    ctx = BuildContext(draft_runner, device, vocab_size, references, seed, compute_reference, draft_window, forward)
     return drafter_spec(spec).build(args, ctx)
 
 
 __all__ = ["DRAFTERS", "REGISTRY", "DraftModelDrafter", "DraftProposal", "Drafter", "DrafterSpec", "HybridDrafter",
+           "RoundOutcome",
            "NgramDrafter", "OracleDrafter", "SuffixDrafter", "drafter_needs_model", "drafter_requires_model",
-           "drafter_spec", "drafter_uses_model", "make_drafter", "missing_draft", "model_drafter", "parse_drafter",
+           "drafter_spec", "drafter_uses_model", "make_drafter", "missing_draft", "parse_drafter",
            "split_drafters"]

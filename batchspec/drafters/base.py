@@ -1,7 +1,28 @@
-"""The drafter seam: propose a batch of drafts, then observe what the target accepted."""
+"""The drafter seam: one protocol every drafter implements, and the small records that cross it.
+
+A round asks a drafter four things, in the order of the paper's loop (decode/round.py):
+
+    offer(reqs, caps)                  before the plan: per row, how many drafts a lookup already
+                                       has for it (free), or None where a model step would draft
+    propose(reqs, lengths, u, s)       draft lengths[i] tokens for row i (fewer where it has fewer)
+    observe(reqs, outcome)             what the target accepted (and, for drafters that read the
+                                       target's features, the target's hidden states of the round)
+    step_probe(rows, context)          once, for the cost table: one draft step of `rows` rows,
+                                       timed (None: a model-free drafter, whose drafts cost no step)
+
+The policy (sched/policy.py) prices a row by what its offer says: an int row is drafted by a
+lookup and costs no draft step; a None row costs the drafter's step D(rows) per depth. Nothing
+else is read off a drafter: no hasattr checks, no attributes set by the engine.
+
+Drafters that draft from the target's hidden states (EAGLE heads) name the layers they need in
+`features`; the engine then asks the target for those layers on the passes whose tokens the
+drafter must see, and hands them over in `prefill(..., hidden)` and `observe(..., outcome.hidden)`.
+Every other drafter has `features = None` and the target computes no extra output.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,37 +34,58 @@ from ..sampling import BatchSampling
 
 @dataclass
 class DraftProposal:
-    tokens: torch.Tensor  # [B, γ] long: drafted tokens d_1..d_γ per row
-    probs: torch.Tensor | None  # [B, γ, V] the q each d_j was drawn from; None: deterministic (q one-hot)
-    # row i proposes only its first lengths[i] tokens (a model-free drafter with a short or no
-    # match); the rest of its row is padding and is never verified. None: every row all γ.
+    tokens: torch.Tensor  # [B, g] long: drafted tokens d_1..d_g per row (g = max lengths asked)
+    probs: torch.Tensor | None  # [B, g, V] the q each d_j was drawn from; None: deterministic (q one-hot)
+    # row i proposes only its first lengths[i] tokens (a lookup with a short or no match); the rest
+    # of its row is padding and is never verified. None: every row all it was asked for.
     lengths: list[int] | None = None
-    confidence: torch.Tensor | None = None  # [B, γ] q(d_j) where the drafter knows it (TETRIS uses it)
-    # tokens a draft model fed to catch up on what it missed (rows it skipped), beyond the 1 or 2
-    # a row it drafted last round has unseen: a one-off that a policy must not take for the cost
-    # of drafting (sched/adaptive.py)
-    caught_up: int = 0
-    # rows a hybrid drafter's lookup drafted (no draft-model step; judged on their own: sched/adaptive.py)
+    # rows a lookup drafted (a hybrid's lookup rows, or every row of a lookup drafter): their records
+    # are kept apart from a model's (core/request.py, `RequestStats.record`)
     looked: list[bool] | None = None
+
+
+@dataclass
+class RoundOutcome:
+    """What the target did with a round's drafts, for `Drafter.observe`."""
+
+    accepted: list[int]  # per row: drafts accepted (its bonus or recovered token follows them)
+    lengths: list[int]  # per row: drafts verified
+    # [B, n, F] the target's features (`Drafter.features`) at each row's fed columns of the verify
+    # pass: column 0 the row's newest token, then its verified drafts; None unless asked for
+    hidden: torch.Tensor | None = None
+    # per row: columns fed before the newest token in the same pass (a prompt joining the round);
+    # hidden then holds those columns first
+    leads: list[int] | None = None
 
 
 class Drafter(Protocol):
     label: str  # how outputs and reports name it
     synthetic: bool  # True for drafters that cheat (know the answer); reports must say so
+    features: tuple[int, ...] | None  # target layers whose hidden states it drafts from; None: none
 
-    def prefill(self, reqs: list[Request], ends: list[int]) -> None:
-        """Cover tokens [0, ends[i]) of each request's content (a prefill chunk; the last chunk
-        ends at len - 1; a one-token prompt has nothing to prefill and is never passed). The
-        engine may skip this (an adaptive policy that is not drafting at this batch size):
-        `propose` must then catch up on whatever it has not seen."""
+    def step_probe(self, rows: int, context: int) -> Callable[[], float] | None:
+        """A function that runs one draft step of `rows` rows (one token each, over `context`
+        keys) and returns its seconds, for the cost table (sched/costs.py); None: drafting
+        costs no model step (a lookup)."""
 
-    def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
-                sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
-        """Draft up to `gamma` tokens per row, row i at most lengths[i] (None: gamma); uniforms
-        [B, γ] drive sampling (None when all greedy)."""
+    def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
+        """Before the plan: per row, the drafts a lookup has for it now (at most caps[i]; 0: none,
+        the row goes undrafted), or None where a model step drafts it (up to caps[i]). The next
+        `propose` for the same rows reuses what was looked up."""
 
-    def observe(self, reqs: list[Request], accepted: list[int]) -> None:
-        """The target accepted accepted[i] of row i's drafts (its bonus/recovered token follows)."""
+    def prefill(self, reqs: list[Request], ends: list[int], hidden: torch.Tensor | None = None) -> None:
+        """Cover tokens [0, ends[i]) of each request (a prefill chunk; the last chunk ends at
+        len - 1). `hidden` [b, n, F]: the target's features of the chunk's columns, for a drafter
+        with `features` (right-aligned to ends[i]). The engine may skip this; `propose` must then
+        catch up on whatever it has not seen."""
+
+    def propose(self, reqs: list[Request], lengths: list[int], uniforms: torch.Tensor | None,
+                sampling: BatchSampling) -> DraftProposal:
+        """Draft up to lengths[i] tokens for row i (`reqs` in slot order); uniforms [B, max
+        lengths] drive sampling (None when every row is greedy)."""
+
+    def observe(self, reqs: list[Request], outcome: RoundOutcome) -> None:
+        """The target verified outcome.lengths[i] of row i's drafts and accepted outcome.accepted[i]."""
 
     def release(self, req: Request) -> None:
         """The request left the engine."""

@@ -21,6 +21,7 @@ import torch
 
 from ..core.request import Request
 from ..core.runner import ModelRunner, padded_ids
+from ..core.timing import step_runner
 from ..sampling import BatchSampling, probabilities, sample
 from .base import DraftProposal
 
@@ -36,15 +37,10 @@ class DraftModelDrafter:
 
     label = "draft_model"
     synthetic = False
-    # greedy rounds: also report q(d_j) (a softmax per step); the engine turns it on when a policy
-    # reads it (TETRIS pruning), so fixed-γ rounds skip the work
-    report_confidence = False
-    # stop(reqs, depth, confidence, lengths) -> lengths: between steps of a greedy round, a policy
-    # may cut rows' drafts short at `depth` from the q(d_j) drafted so far (`AdaptivePolicy.cut`)
-    stop = None
+    features = None
 
-    def __init__(self, runner: ModelRunner, window: int | None = None) -> None:
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, window: int | None = None, forward: str = "auto") -> None:
+        self.runner, self.forward = runner, forward  # (forward: how `step_probe` runs it, as the runner does)
         self.window = window  # None: a row holds its whole request (see the module docstring)
         self._skipped: dict[int, int] = {}  # request index -> its tokens after the sinks its row leaves out
         self._unseen: list[int] = []  # what each row was fed first this round (what it had not seen)
@@ -82,7 +78,13 @@ class DraftModelDrafter:
                 rows.append(r.token_ids[end - count:end])
         return padded_ids(rows, self.runner.device), [len(row) for row in rows]
 
-    def prefill(self, reqs: list[Request], ends: list[int]) -> None:
+    def step_probe(self, rows: int, context: int):
+        return step_runner(self.runner.model, rows, context, 1, self.forward)
+
+    def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
+        return [None] * len(reqs)
+
+    def prefill(self, reqs: list[Request], ends: list[int], hidden=None) -> None:
         rows = [(r, e, n) for r, e in zip(reqs, ends) if (n := self.unseen(r, e)) > 0]
         if not rows:
             return
@@ -91,59 +93,37 @@ class DraftModelDrafter:
         self.runner.feed(reqs, ids, fed, logits="none")
         self.runner.commit(reqs, fed)
 
-    def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
-                sampling: BatchSampling, lengths: list[int] | None = None,
-                forced: torch.Tensor | None = None) -> DraftProposal:
-        """`reqs` in slot order; row i drafts lengths[i] <= gamma tokens (default all gamma): a row
-        is fed only while it drafts, so a row drafting 0 is not fed at all and catches up on what
-        it has not seen the next time it drafts. With `forced` [B, γ] the model is run on those
-        tokens instead of its own (for a synthetic drafter that wants a real draft model's cost
-        and KV). The proposal's confidence is q(d_j), the draft's probability of its own token."""
-        runner = self.runner
-        self._lengths = lengths = list(lengths) if lengths is not None else [gamma] * len(reqs)
+    def propose(self, reqs: list[Request], lengths: list[int], uniforms: torch.Tensor | None,
+                sampling: BatchSampling, forced: torch.Tensor | None = None) -> DraftProposal:
+        """`reqs` in slot order; row i drafts lengths[i] tokens: a row is fed only while it drafts,
+        so a row drafting 0 is not fed at all and catches up on what it has not seen the next
+        time it drafts. With `forced` [B, γ] the model is run on those tokens instead of its own
+        (for a synthetic drafter that wants a real draft model's cost and KV)."""
+        runner, gamma = self.runner, max(lengths)
+        self._lengths = lengths = list(lengths)
         unseen = [self.unseen(r) if n > 0 else 0 for r, n in zip(reqs, lengths)]
         ids, self._unseen = self._catch_up(reqs, [r.num_tokens for r in reqs], unseen)
         logits = runner.feed(reqs, ids, self._unseen, logits="last")
-        tokens, probs, confidence = [], [], []
-        asked, seen = list(lengths), [[] for _ in reqs]  # seen: q(d_1..d_j) per row, for `stop`
+        tokens, probs = [], []
         for j in range(gamma):
             if j > 0:
-                if max(lengths) <= j:  # every row was cut short (`stop`)
-                    break
                 counts = [1 if n > j else 0 for n in lengths]
                 logits = runner.feed(reqs, tokens[-1][:, None], counts, logits="last")  # [B, V]
             if forced is not None:
                 token = forced[:, j]
-                q = None
             elif sampling.all_greedy:
                 token = logits.argmax(-1)
-                q = torch.softmax(logits.float(), dim=-1) if self.report_confidence else None
             else:
                 q = probabilities(logits[:, None], sampling)[:, 0]
                 token = sample(q, uniforms[:, j])
                 probs.append(q)
-            if q is not None:
-                confidence.append(q.gather(-1, token[:, None])[:, 0])
             tokens.append(token)
-            if self.stop is not None and confidence and not probs and j + 1 < max(lengths):
-                for row, q_j in zip(seen, confidence[-1].tolist()):  # (only the newest column is read)
-                    row.append(q_j)
-                cut = self.stop(reqs, j + 1, seen, lengths)
-                lengths[:] = [min(n, max(j + 1, m)) for n, m in zip(lengths, cut)]  # never below what is drafted
-        pad = gamma - len(tokens)  # (rows cut short: their lengths say how much of a row is real)
-        drafts = torch.stack(tokens, dim=1)
-        conf = torch.stack(confidence, dim=1) if confidence else None
-        if pad:
-            drafts = torch.cat([drafts, drafts.new_zeros(len(reqs), pad)], dim=1)
-            conf = torch.cat([conf, conf.new_zeros(len(reqs), pad)], dim=1) if conf is not None else None
-        return DraftProposal(drafts, torch.stack(probs, dim=1) if probs else None,
-                             lengths=list(lengths) if lengths != asked else None, confidence=conf,
-                             caught_up=sum(max(0, u - 2) for u in self._unseen))
+        return DraftProposal(torch.stack(tokens, dim=1), torch.stack(probs, dim=1) if probs else None)
 
-    def observe(self, reqs: list[Request], accepted: list[int]) -> None:
+    def observe(self, reqs: list[Request], outcome) -> None:
         # row i was fed its unseen tokens and d_1..d_{n_i - 1}; keep those the target accepted
         self.runner.commit(reqs, [u + min(a, n - 1) if n > 0 else 0
-                                  for u, a, n in zip(self._unseen, accepted, self._lengths)])
+                                  for u, a, n in zip(self._unseen, outcome.accepted, self._lengths)])
 
     def release(self, req: Request) -> None:
         self._skipped.pop(req.index, None)

@@ -14,9 +14,6 @@ once, during prefill. Memory: one dict entry per position and n.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import torch
 
 from ..core.request import Request
@@ -101,99 +98,63 @@ def padded(rows: list[list], width: int, fill, device, dtype=None) -> torch.Tens
     return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=dtype, device=device)
 
 
-def point_proposal(rows: list[list[int]], device, confidence: list[list[float]] | None = None) -> DraftProposal:
+def point_proposal(rows: list[list[int]], device) -> DraftProposal:
     """Ragged rows of proposed tokens as a deterministic proposal: tokens [B, longest row], padded
-    with 0 (never verified), q one-hot, lengths the rows' lengths; `confidence` each row's
-    `match_confidence` (padded with NaN)."""
+    with 0 (never verified), q one-hot, lengths the rows' lengths, every row a lookup's."""
     width = max(len(r) for r in rows)
-    tokens = padded(rows, width, 0, device, torch.long)
-    conf = padded(confidence, width, float("nan"), device) if confidence is not None and width else None
-    return DraftProposal(tokens, None, [len(r) for r in rows], confidence=conf)
+    return DraftProposal(padded(rows, width, 0, device, torch.long), None, [len(r) for r in rows],
+                         looked=[True] * len(rows))
 
 
 class LookupDrafter:
     """What model-free drafters share: each row's proposal is what `find(req, cap)` copies from
-    context (a point mass), and there is nothing to learn from what the target accepted.
-
+    context (a point mass), drafting costs no model step (`step_probe` None), and there is nothing
+    to learn from what the target accepted. `offer` looks every row up before the plan; the next
+    `propose` for the same rows and lengths reuses those lookups, each cut to its planned length.
     Indexes are brought up to date lazily, when a row is looked up, so rounds that look nothing
-    up (an adaptive policy's plain rounds) never pay for them. The first lookup after such a
-    stretch, or of a new prompt, then does many rounds' indexing at once: `catch_up_s` totals the
-    seconds of that beyond the tokens a round adds (1 + its drafts, at most 1 + the row's cap),
-    pro rata of tokens, and the shared trie's intake of finished requests. A policy reads it as a
-    one-off, not as what drafting costs (`decode/round.py`): counted in, the round that explores
-    speculation after 100 plain ones at batch 8 measured 2.5x its predicted time (22 ms of
-    indexing), and the guard kept every later round plain."""
+    up (a policy's plain rounds) never pay for them."""
 
     synthetic = False
+    features = None
     device = None
-    catch_up_s = 0.0  # seconds of indexing beyond a round's own tokens, in total (see above)
-    token_s: float | None = None  # seconds to index one token, measured (see `index_s`)
+    _found: tuple[tuple, list[list[int]]] | None = None  # the last offer: (its rows, what it found)
 
-    def _catch_up(self, extend: Callable[[], None], new: int, normal: int) -> None:
-        """Run `extend`, which indexes `new` tokens; the share beyond `normal` counts as catch-up."""
-        start = time.perf_counter()
-        extend()
-        if new > normal:
-            spent = time.perf_counter() - start
-            self._indexed(spent, new)
-            self.catch_up_s += spent * (new - normal) / new
+    def step_probe(self, rows: int, context: int):
+        return None
 
-    def _indexed(self, seconds: float, tokens: int) -> None:
-        """`tokens` indexed at once took `seconds`: the per-token cost `index_s` prices, an
-        exponential average (calls of a few tokens are mostly overhead, and are not timed)."""
-        if tokens >= 16:
-            rate = seconds / tokens
-            self.token_s = rate if self.token_s is None else self.token_s + 0.2 * (rate - self.token_s)
+    def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
+        found = [self.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)]
+        self._found = (_key(reqs), found)
+        return [len(f) for f in found]
 
-    def unindexed(self, req: Request) -> int:
-        """Tokens of `req` its index has not seen (the next lookup indexes them)."""
-        raise NotImplementedError
-
-    def shared_unindexed(self) -> int:
-        """Tokens waiting for an index every greedy row reads (suffix's shared trie), 0 if none."""
-        return 0
-
-    def index_s(self, reqs: list[Request], shares: list[float], intake: float) -> float:
-        """Seconds of indexing that looking up `reqs` now would start with. A row's own index is a
-        one-off that serves its later lookups too: weighted by `shares[i]`, the share of it one
-        round is charged (`AdaptivePolicy.index_shares`). The shared index (suffix's trie of
-        finished requests, read by greedy rows) is charged at most `intake` tokens, what finished
-        requests bring it per round (`AdaptivePolicy.intake`): whenever it is taken in, every
-        finished token is indexed once, so a round that looks up pays only what a lookup every
-        round would, not the backlog plain rounds left. 0 until a catch-up was timed.
-
-        Example, suffix (~5 us a token into a trie of depth 20): 32 rows just admitted, 124-token
-        prompts, 16 rounds left each: 32 x 124 x 5 us / 16 = 1.2 ms, 5 % of a 25 ms plain round at
-        32 rows. (Measured unpriced: lookups ran whenever free drafting might pay, and their
-        indexing, prompts and finished requests into the shared trie, took 2-3 % of runs at 32
-        rows in which speculation then gained nothing: plain prompts, 64 x 32 tokens.) The shared
-        backlog was charged whole, at the rows' mean share: at batch 4 on the bundled prompts a
-        stretch of plain rounds let it grow to ~60 ms a round against 12 ms plain rounds, which
-        kept every later round plain, so it grew on (in-process, 64 x 32, 3 repeats: the adaptive
-        default 0.99-1.01 of `autoregressive` at batch 2, 1.10-1.13 charged the intake, 1.15-1.16
-        with `gain_scale`'s longer average too; at batch 4, 0.98-1.00 against 0.97-1.07)."""
-        if self.token_s is None:
-            return 0.0
-        own = sum(self.unindexed(r) * share for r, share in zip(reqs, shares))
-        greedy = any(r.params.greedy for r in reqs)  # (who reads the shared index)
-        shared = min(self.shared_unindexed(), intake) if greedy else 0.0
-        return self.token_s * (own + shared)
+    def lookups(self, reqs: list[Request], lengths: list[int]) -> list[list[int]]:
+        """Each row's proposal at most lengths[i] long: the last offer's, if it was for these rows."""
+        found, self._found = self._found, None
+        if found is not None and found[0] == _key(reqs):
+            return [f[:n] for f, n in zip(found[1], lengths)]
+        return [self.find(r, n)[0] if n > 0 else [] for r, n in zip(reqs, lengths)]
 
     def find(self, req: Request, limit: int) -> tuple[list[int], list[float]]:
         """(tokens proposed for `req`, at most `limit`; each one's `match_confidence`)."""
         raise NotImplementedError
 
-    def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
-                sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
-        caps = lengths if lengths is not None else [gamma] * len(reqs)
-        found = [self.find(r, c) if c > 0 else ([], []) for r, c in zip(reqs, caps)]
-        return point_proposal([f[0] for f in found], self.device, [f[1] for f in found])
+    def propose(self, reqs: list[Request], lengths: list[int], uniforms: torch.Tensor | None,
+                sampling: BatchSampling) -> DraftProposal:
+        return point_proposal(self.lookups(reqs, lengths), self.device)
 
-    def observe(self, reqs: list[Request], accepted: list[int]) -> None:
+    def observe(self, reqs: list[Request], outcome) -> None:
+        pass
+
+    def prefill(self, reqs: list[Request], ends: list[int], hidden=None) -> None:
         pass
 
     def forget(self) -> None:
         pass  # by default a lookup reads the request alone
+
+
+def _key(reqs: list[Request]) -> tuple:
+    """The rows and how long each is: an offer is reused only for the same rows at the same length."""
+    return tuple((r.index, r.num_tokens) for r in reqs)
 
 
 class NgramDrafter(LookupDrafter):
@@ -213,19 +174,15 @@ class NgramDrafter(LookupDrafter):
         """(proposed tokens, each one's `match_confidence`) for one request: at most min(k, limit)
         tokens, cut after a stop token; ([], []) without a match. One occurrence says nothing of
         how often the continuation follows: each token counts as once seen (share 1/2)."""
-        idx, tokens = self.index(req), req.token_ids
-        self._catch_up(lambda: idx.extend(tokens), len(tokens) - idx.upto, limit + 1)
+        idx = self.index(req)
+        idx.extend(req.token_ids)
         n, e = idx.match(req.token_ids)
         if n == 0:
             return [], []
         out = cut_at_stop(idx.continuation(req.token_ids, e, min(self.k, limit)), req.stop_ids)
         return out, match_confidence([0.5] * len(out), n)
 
-    def unindexed(self, req: Request) -> int:
-        idx = self._index.get(req.index)
-        return len(req.token_ids) - (idx.upto if idx is not None else 0)
-
-    def prefill(self, reqs: list[Request], ends: list[int]) -> None:
+    def prefill(self, reqs: list[Request], ends: list[int], hidden=None) -> None:
         for r, e in zip(reqs, ends):  # index the prompt here, outside the decoding rounds
             self.index(r).extend(r.token_ids, e)
 

@@ -38,6 +38,7 @@ def bernoulli_mismatch(accept_prob: float, seed: int = 0) -> Mismatch:
 
 class OracleDrafter:
     synthetic = True
+    features = None
 
     def __init__(self, references: MutableMapping[tuple[int, ...], list[int]], mismatch: Mismatch,
                  vocab_size: int, device, cost_model: DraftModelDrafter | None = None,
@@ -62,15 +63,22 @@ class OracleDrafter:
             ref = self.references[key] = self.compute(req)
         return ref
 
-    def prefill(self, reqs: list[Request], ends: list[int]) -> None:
+    def step_probe(self, rows: int, context: int):
+        """Priced as the draft model it runs for its cost, or free without one."""
+        return self.cost_model.step_probe(rows, context) if self.cost_model is not None else None
+
+    def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
+        return [None] * len(reqs)
+
+    def prefill(self, reqs: list[Request], ends: list[int], hidden=None) -> None:
         for r in reqs:
             self.reference(r)
         if self.cost_model is not None:
             self.cost_model.prefill(reqs, ends)
 
-    def propose(self, reqs: list[Request], gamma: int, uniforms: torch.Tensor | None,
-                sampling: BatchSampling, lengths: list[int] | None = None) -> DraftProposal:
-        rows = []
+    def propose(self, reqs: list[Request], lengths: list[int], uniforms: torch.Tensor | None,
+                sampling: BatchSampling) -> DraftProposal:
+        gamma, rows = max(lengths), []
         for r in reqs:
             ref = self.reference(r)
             start = r.num_generated
@@ -84,14 +92,13 @@ class OracleDrafter:
             rows.append(row)
             self._rounds[r.index] = round_ + 1
         tokens = torch.tensor(rows, dtype=torch.long, device=self.device)
-        caught_up = 0
         if self.cost_model is not None:
-            caught_up = self.cost_model.propose(reqs, gamma, uniforms, sampling, lengths, forced=tokens).caught_up
-        return DraftProposal(tokens, None, caught_up=caught_up)
+            self.cost_model.propose(reqs, lengths, uniforms, sampling, forced=tokens)
+        return DraftProposal(tokens, None)
 
-    def observe(self, reqs: list[Request], accepted: list[int]) -> None:
+    def observe(self, reqs: list[Request], outcome) -> None:
         if self.cost_model is not None:
-            self.cost_model.observe(reqs, accepted)
+            self.cost_model.observe(reqs, outcome)
 
     def forget(self) -> None:
         pass  # the references are the task, not history

@@ -40,7 +40,6 @@ whatever other requests did before it.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 from ..core.request import FinishReason, Request
@@ -100,15 +99,12 @@ class SuffixDrafter(LookupDrafter):
         until a round reads the trie: where no round drafts (an adaptive policy running plain
         rounds at a large batch size) it is never paid. The result is the trie eager adding
         gives: the newest requests that fit in max_tokens, added in the order they finished."""
-        if self._finished:  # (a one-off per finished request: `catch_up_s`)
-            start = time.perf_counter()
+        if self._finished:
             if self._stale:
                 self._shared, self._stale = SharedTrie(self.depth, self.max_tokens), False
             while self._finished:
                 self._shared.add(self._finished.popleft())
-            self._indexed(time.perf_counter() - start, self._waiting)
             self._waiting = 0
-            self.catch_up_s += time.perf_counter() - start
         return self._shared
 
     def _learn(self, tokens: list[int]) -> None:
@@ -134,7 +130,7 @@ class SuffixDrafter(LookupDrafter):
         """(proposed tokens, each one's `match_confidence`) for one request; ([], []) without a match."""
         tokens, own = req.token_ids, self.trie(req)
         shared = self.shared if req.params.greedy else None  # a sampled row reads its own tokens only
-        self._catch_up(lambda: own.extend(tokens), len(tokens) - own.upto, limit + 1)
+        own.extend(tokens)
         limit = min(self.k, limit)
         segment = min(limit, SEGMENT)
         longest = min(self.depth - segment, len(tokens))
@@ -180,15 +176,6 @@ class SuffixDrafter(LookupDrafter):
                 return at
         return []
 
-    def unindexed(self, req: Request) -> int:
-        trie = self._tries.get(req.index)
-        return len(req.token_ids) - (trie.upto if trie is not None else 0)
-
-    def shared_unindexed(self) -> int:
-        return self._waiting
-
-    def prefill(self, reqs: list[Request], ends: list[int]) -> None:
-        pass  # a row's own trie catches up in `find`, when a round first drafts for it
 
     def forget(self) -> None:
         self._shared, self._stale = SharedTrie(self.depth, self.max_tokens), False

@@ -1,9 +1,9 @@
-"""Scheduling policy: which requests are resident, which form each round's batch, and how
-prompts are cut into prefill chunks; and how much each row of a round drafts and verifies
-(`adaptive.py`, priced by `cost_model.py` and `guard.py`, ranked by `tetris.py`, planned or
-standing: `standing.py`).
+"""Scheduling: which requests are resident, which form each round's batch, and how prompts are
+cut into prefill chunks; and how far each row of a round drafts (`policy.py`, priced by the cost
+table of `costs.py`, measured by `profile.py`, ranked by `tetris.py`; judged on recorded rounds
+by `replay.py`).
 
-Pure Python over request lengths and measured seconds; nothing here touches tensors or models.
+Pure Python over request lengths and measured seconds; only `profile.py` runs models.
 """
 
 from .grouping import pick_batch

@@ -57,81 +57,43 @@ def select(gains: Sequence[Sequence[float]], budget: int, held: Sequence[int] | 
 
 
 def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[float]], float],
-                base_tokens: float, first_fed: Sequence[float] | None = None,
-                held: Sequence[int] | None = None, row_s: Sequence[float] | None = None) -> tuple[list[int], float]:
+                base_tokens: float, model_rows: Sequence[bool] | None = None,
+                held: Sequence[int] | None = None) -> tuple[list[int], float]:
     """The prefix of the ranking with the most (base_tokens + Σ gains) / seconds, where base_tokens
     is what the round commits with no draft verified (one token per row) and seconds(total, fed)
-    the round's cost for `total` drafts, fed[j] being the tokens the draft step at depth j feeds:
-    one per row drafting more than j tokens, except at depth 0, where row i feeds first_fed[i]
-    (default 1: a drafter that is behind on a row catches up in its first step; such a row is
-    ranked by its gains per token fed, so it comes after rows that are cheap to start; 0: no draft
-    step feeds row i at any depth, e.g. a hybrid drafter's lookup drafts it, and fed[j] may then
-    be 0: no step runs at that depth). Kept up to date as the ranking is walked, so a cost is
-    O(γ), not O(rows). held[i] (default 0): the first held[i] drafts of row i are taken before
-    the walk, whatever they are worth (rows whose length must not depend on the batch); the walk
-    ranks what follows them. row_s[i] (default 0): seconds the round is charged once row i verifies
-    any draft (a cost of its drafting at all, not of how many), added to seconds(); such a row is
-    ranked by its gains over its price, its charge counted as that many seconds' worth of drafts
-    (seconds(1, [1]) - seconds(0, []) each). Returns (lengths, tokens per second).
+    the round's cost for `total` drafts verified, fed[j] being the rows a model's draft step feeds
+    at depth j (model_rows[i], default True: row i is drafted by a model step; False: a lookup
+    drafts it, at no step, so fed[j] may be 0 and no step runs there). Kept up to date as the
+    ranking is walked, so a cost is O(γ), not O(rows); on ties a lookup row comes first. held[i]
+    (default 0): the first held[i] drafts of row i are taken before the walk, whatever they are
+    worth (rows whose length must not depend on the batch); the walk ranks what follows them.
+    Returns (lengths, tokens per second).
 
     Example: gains [[0.9, 0.72, 0.36], [0.5, 0.25, 0.125]], held [0, 3]: the walk starts from
     row 1's three drafts (0.875 expected tokens, fed [1, 1, 1], 3 verified) and ranks only row 0's
     0.9, 0.72, 0.36; the result is [k, 3] for the k with the best rate."""
     lengths = list(held) if held is not None else [0] * len(gains)
+    model = list(model_rows) if model_rows is not None else [True] * len(gains)
     fed: list[float] = []
-    charged = [0.0]  # row_s of the rows verifying a draft
 
     def take(i: int, j: int) -> float:  # row i verifies its draft j: the step at depth j feeds it; its gain
-        if j == 0 and row_s is not None:
-            charged[0] += row_s[i]
         if j == len(fed):
             fed.append(0)
-        if first_fed is None:
-            fed[j] += 1
-        elif first_fed[i] > 0:  # (0: a row no draft step feeds)
-            fed[j] += first_fed[i] if j == 0 else 1
+        fed[j] += model[i]
         return gains[i][j]
 
     tokens = base_tokens + sum(take(i, j) for i, n in enumerate(lengths) for j in range(n))
     start = sum(lengths)
-    # a started row's first step is paid for: the rest of it is ranked by gain alone
-    scale = None if first_fed is None else [f if n == 0 and f > 0 else 1.0 for f, n in zip(first_fed, lengths)]
-    if row_s is not None and any(row_s):  # a row not started is priced its charge too, in drafts' worth
-        draft = max(1e-9, seconds(1, [1.0]) - seconds(0, []))
-        scale = [(1.0 if scale is None else scale[i]) * (1.0 + (row_s[i] / draft if n == 0 else 0.0))
-                 for i, n in enumerate(lengths)]
-    free = None if first_fed is None else [f == 0 for f in first_fed]  # (first among equals: no step to pay)
-    order = ranking([row[n:] for row, n in zip(gains, lengths)], scale, free)
-    best_total, best_rate = 0, tokens / (seconds(start, fed) + charged[0])
+    order = ranking([row[n:] for row, n in zip(gains, lengths)], None, [not m for m in model])
+    best_total, best_rate = 0, tokens / seconds(start, fed)
     for total, (_, i, j) in enumerate(order, start=1):
         gain = take(i, j + lengths[i])
-        if gain <= 0:  # (all that follows is worth nothing too: a draft is never taken for its price
-            break  # alone, which can come out below a plain round's where the two are scaled apart)
+        if gain <= 0:  # (all that follows is worth nothing too)
+            break
         tokens += gain
-        rate = tokens / (seconds(start + total, fed) + charged[0])
+        rate = tokens / seconds(start + total, fed)
         if rate > best_rate:
             best_total, best_rate = total, rate
     for _, i, _ in order[:best_total]:
         lengths[i] += 1
     return lengths, best_rate
-
-
-def rate_of(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[float]], float], base_tokens: float,
-            lengths: Sequence[int], first_fed: Sequence[float] | None = None) -> float:
-    """What `best_budget` rates given lengths at: (base_tokens + each row's first lengths[i]
-    gains) / seconds(total, fed), fed as there (row i feeds first_fed[i] at depth 0, 1 below;
-    0: no draft step feeds it).
-
-    Example: gains [[0.9, 0.72], [0.5]], lengths [2, 1], seconds = 1 + total / 10: (2 + 0.9 +
-    0.72 + 0.5) / 1.3 = 3.17."""
-    fed: list[float] = []
-    for i, n in enumerate(lengths):
-        for j in range(n):
-            if j == len(fed):
-                fed.append(0)
-            if first_fed is None:
-                fed[j] += 1
-            elif first_fed[i] > 0:
-                fed[j] += first_fed[i] if j == 0 else 1
-    tokens = base_tokens + sum(sum(g[:n]) for g, n in zip(gains, lengths))
-    return tokens / seconds(sum(lengths), fed)

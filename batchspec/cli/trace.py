@@ -1,0 +1,71 @@
+"""`batchspec trace record|replay`: record a run's rounds at fixed γ, and judge the scheduling
+policy on recorded rounds against every fixed γ and the oracles (batchspec/sched/replay.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ..config import EngineConfig
+from .common import console, fail, load_engine, read_prompts, sampling_params
+from .options import Chat, Device, Draft, Dtype, Prompts, Target, dataclass_options, derive
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Record decoding rounds and replay scheduling policies over them.")
+ENGINE = dataclass_options(EngineConfig, exclude=("profile", "adaptive", "budget"))
+
+
+@app.command()
+@derive(ENGINE, into="engine")
+def record(
+    *,
+    out: Annotated[Path, typer.Option("--out", metavar="PATH", help="Where the trace (JSON) goes")],
+    target: Target = None, draft: Draft = None, prompts: Prompts = None,
+    num_prompts: Annotated[int | None, typer.Option("--num-prompts", metavar="N", help="First N prompts")] = None,
+    chat: Chat = False,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", metavar="N", help="Tokens per prompt")] = 48,
+    dtype: Dtype = "auto", device: Device = "auto",
+    engine: dict | None = None,
+):
+    """Run the prompts at fixed γ (every row drafts its cap) and write every round to --out."""
+    from ..prompts import chat_token_ids
+    from ..sched.replay import record as record_trace
+
+    try:
+        texts = read_prompts(None, prompts, num_prompts)
+        config = replace(EngineConfig(**engine), adaptive=False)
+        if not config.speculative:
+            raise ValueError("a trace records speculative rounds: use --method eqspec or exspec")
+        eng = load_engine(target, draft, config, dtype, device)
+        inputs = chat_token_ids(eng.pair.tokenizer, texts) if chat else texts
+        meta = {"target": target or "bundled", "draft": draft, "prompts": prompts or "bundled", "chat": chat,
+                "num_prompts": len(texts), "max_new_tokens": max_new_tokens}
+        trace = record_trace(eng, inputs, sampling_params(max_new_tokens, 0.0, 0, 1.0, None, len(texts)), meta)
+        trace.save(out)
+    except ValueError as exc:
+        fail(str(exc))
+    console.print(f"{len(trace.rounds)} rounds -> {out}")
+
+
+@app.command()
+def replay(traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help="Recorded traces (JSON)")]):
+    """Tokens per second of the policy, plain decoding, every fixed γ and the oracles on each trace."""
+    from ..sched.replay import Trace, compare
+
+    table = Table("trace", "rounds", "policy", "plain", "best fixed γ", "oracle", "clairvoyant",
+                  "policy / oracle", "policy / best fixed")
+    for path in traces:
+        try:
+            trace = Trace.load(path)
+        except (OSError, ValueError, KeyError) as exc:
+            fail(f"{path}: not a trace ({exc})")
+        res = compare(trace)
+        best = max((k for k in res if k.startswith("fixed")), key=res.get)
+        table.add_row(path.name, str(len(trace.rounds)), f"{res['policy']:.1f}", f"{res['plain']:.1f}",
+                      f"{res[best]:.1f} ({best.split('=')[1]})", f"{res['oracle']:.1f}", f"{res['clairvoyant']:.1f}",
+                      f"{res['policy'] / res['oracle']:.3f}", f"{res['policy'] / res[best]:.3f}")
+    console.print(table)

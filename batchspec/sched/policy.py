@@ -1,0 +1,152 @@
+"""How many drafts each row of a round verifies: expected tokens over predicted seconds.
+
+Pure Python over the rows' acceptance records and the cost table (`costs.py`). Per round:
+
+    rate    r_ij = (a_ij + K p_j) / (n_ij + K),   p_j = (A_j + K p_{j-1}) / (N_j + K) + E σ_j,
+            p_1 = (A_1 + 1) / (N_1 + 2) + E σ_1,   σ_j = sqrt(p_j (1 - p_j) / (N_j + 2)):
+            row i's own record at draft position j (n_ij drafts verified there with every
+            earlier one accepted, a_ij accepted: `core/request.py`,
+            `AcceptanceRecord`), shrunk toward the pair's (N_j, A_j over every request so far) by
+            K = SHRINK drafts' worth, and the pair's toward the position before it, plus E =
+            EXPLORE standard errors: a position never verified is priced as the one before
+            (acceptance comes in runs, so later conditional rates are rarely lower) and a rate
+            resting on few drafts a little above its mean, so that an unlucky start is tried again.
+            Lookup drafts and model drafts keep records apart (a hybrid's two sources differ)
+    gain    G_ij = r_i1 ... r_ij: expected tokens that verifying d_i1..d_ij adds to the 1 token
+            every row commits (acceptance stops at the first rejection)
+    plan    rank every (i, j) by G_ij (TETRIS, `tetris.py`: prefixes of rows only) and take the
+            prefix with the most (b + Σ G) / T(lengths), T from the cost table: one draft step per
+            depth for the rows a model drafts, none for lookup rows, and one verify pass. All
+            lengths 0 is a plain round, chosen whenever nothing beats it.
+
+Before the plan a drafter says what it can offer (`Drafter.offer`): a lookup's row is capped at
+the drafts it found and costs no step. A lookup costs host time every round, so first the same
+plan is asked of an optimistic offer (every row's cap, free); when even that is a plain round the
+lookups are skipped. Seeded sampled rows are `held` at their cap: which uniform serves which token
+depends on how many drafts a round verifies, so their lengths must not depend on the batch, and
+no length depends on a row's own draft tokens (lossless sampling). With `budget` C (TETRIS's fixed
+budget), at most C drafts a round are verified, the likeliest first; without a cost table (fixed
+γ: `--no-adaptive`) every row verifies its cap.
+
+Example, b = 8, D = 2 ms, V(8, n) = 20 + 4 (n - 1) ms, s = 0.5 ms, every rate 0.6: plain decoding
+8 tokens / 20 ms = 400 tok/s; every row drafting 1: 8 x 1.6 / (2 + 24 - 0) ms = 492 tok/s; 2 each:
+8 x 1.96 / (4 + 28) = 490; so 1 each. Every rate 0.2: 8 x 1.2 / 26 = 369 at best: plain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..core.request import AcceptanceRecord
+from .costs import CostTable
+from .tetris import best_budget, cumulative, select
+
+SHRINK = 16.0  # drafts' worth of the pair's rate that a row's own record starts from
+EXPLORE = 0.5  # standard errors added to the pair's rates: a rate resting on few drafts is tried
+
+
+@dataclass
+class Decision:
+    """A round's plan, kept for `observe`: what was predicted, to correct the table."""
+
+    rows: int
+    lengths: list[int]
+    model_rows: list[bool]  # drafted by a model step (False: by a lookup, or not at all)
+    planned: bool  # the cost table chose it (False: fixed γ, or a held/budgeted shape)
+
+
+@dataclass
+class SpecPolicy:
+    gamma: int
+    table: CostTable | None = None  # None: fixed γ (every row its cap), or a budget alone
+    budget: int | None = None  # TETRIS: at most this many drafts verified a round
+    pair: dict[bool, AcceptanceRecord] = field(default_factory=dict)  # every request's record, by source
+    _plain: tuple | None = None  # the rows for which an optimistic plan was plain, and the records' age then
+    _age: int = 0  # rounds that verified drafts so far (records change only then)
+
+    def prior(self, looked: bool) -> list[float]:
+        """p_1 .. p_γ: the pair's rates for drafts from one source (see the module docstring)."""
+        pair = self.pair.get(looked)
+        out, p = [], None
+        for j in range(self.gamma):
+            big_n, big_a = (pair.reached[j], pair.accepted[j]) if pair and j < len(pair.reached) else (0, 0)
+            p = (big_a + 1.0) / (big_n + 2.0) if p is None else (big_a + SHRINK * p) / (big_n + SHRINK)
+            p = min(1.0, p + EXPLORE * (p * (1.0 - p) / (big_n + 2.0)) ** 0.5)
+            out.append(p)
+        return out
+
+    def gains(self, stats: list, looked: list[bool], caps: list[int]) -> list[list[float]]:
+        """G_ij for each row (its request's `RequestStats`), up to its cap."""
+        priors = {lk: self.prior(lk) for lk in set(looked)}
+        out = []
+        for s, lk, c in zip(stats, looked, caps):
+            rec, prior = s.records.get(lk), priors[lk]
+            if rec is None:
+                out.append(cumulative(prior[:c]))
+                continue
+            seen = len(rec.reached)
+            out.append(cumulative([(rec.accepted[j] + SHRINK * p) / (rec.reached[j] + SHRINK) if j < seen else p
+                                   for j, p in enumerate(prior[:c])]))
+        return out
+
+    def worth_offering(self, key: tuple, stats: list, caps: list[int], held: list[bool]) -> bool:
+        """Whether drafting could pay: the plan of an optimistic offer (every row its cap, drafted
+        free, at the better of the rates of the sources drafted so far) verifies something.
+        Remembered for the same rows until records change."""
+        if self.table is None or any(held) or not any(caps):
+            return True
+        if self._plain == (key, self._age):
+            return False
+        if not self.pair:  # (nothing verified yet: try)
+            return True
+        by_source = [self.gains(stats, [lk] * len(caps), caps) for lk in self.pair]
+        gains = [list(map(max, *rows)) if len(rows) > 1 else rows[0] for rows in zip(*by_source)]
+        lengths, _ = best_budget(gains, self.table.round_s(len(caps)), len(caps), [False] * len(caps))
+        if any(lengths):
+            return True
+        self._plain = (key, self._age)
+        return False
+
+    def plan(self, stats: list, caps: list[int], offer: list[int | None], held: list[bool]) -> Decision:
+        """Per-row lengths for this round (see the module docstring). caps[i]: the most row i may
+        verify; offer[i]: drafts a lookup has for it (a cap, at no step), None: a model step."""
+        looked = [o is not None for o in offer]
+        caps = [c if o is None else min(c, o) for c, o in zip(caps, offer)]
+        model_rows = [not lk and c > 0 for lk, c in zip(looked, caps)]
+        fixed = [c if h else 0 for c, h in zip(caps, held)]
+        gains = None
+        if self.table is None:
+            lengths = list(caps)
+        else:
+            gains = self.gains(stats, looked, caps)
+            lengths, _ = best_budget(gains, self.table.round_s(len(caps)), len(caps), model_rows, fixed)
+        if self.budget is not None and sum(lengths) > self.budget:
+            gains = gains or self.gains(stats, looked, lengths)
+            lengths = select([g[:n] for g, n in zip(gains, lengths)], self.budget, fixed)
+        return Decision(len(caps), lengths, [m and n > 0 for m, n in zip(model_rows, lengths)],
+                        self.table is not None)
+
+    def predicted(self, decision: Decision, lengths: list[int]) -> tuple[float, float]:
+        """(draft, verify) seconds the table predicts for `decision` verifying `lengths`."""
+        depth = max(lengths, default=0)
+        fed = [sum(1 for n, m in zip(decision.lengths, decision.model_rows) if m and n > j) for j in range(
+            max(decision.lengths, default=0))]
+        return sum(map(self.table.draft, fed)), self.table.verify(decision.rows, depth, sum(lengths))
+
+    def observe(self, decision: Decision, lengths: list[int], accepted: list[int], looked: list[bool],
+                draft_s: float, verify_s: float) -> None:
+        """A round verified lengths[i] drafts of row i and accepted accepted[i]: the pair's records
+        learn it (each request's own record is kept by the round), and the table's stages are
+        corrected by what they took."""
+        for n, a, lk in zip(lengths, accepted, looked):
+            if n:
+                rec = self.pair.get(lk)
+                if rec is None:
+                    rec = self.pair[lk] = AcceptanceRecord()
+                rec.add(a, n)
+        if any(lengths):
+            self._age += 1
+        if self.table is not None:
+            draft, verify = self.predicted(decision, lengths)
+            self.table.correct("draft", draft, draft_s)
+            self.table.correct("verify", verify, verify_s)

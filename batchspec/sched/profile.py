@@ -1,0 +1,84 @@
+"""Measuring the cost table (`costs.py`) once per (models, device, dtype, threads) and keeping it.
+
+A few forwards per grid point through the engine's own forward, every point timed once per sweep
+and the fastest run kept (`core/timing.py`: other work on the machine only ever adds time), within
+PROFILE_BUDGET_S. The grid: rows 1 and the batch size (and 8 between them for larger batches), by
+1 .. γ + 1 tokens per row; one ragged pass (one row fed γ + 1 tokens, the rest 1) for `token_s`;
+the drafter's step at each row count through its own `step_probe` (none for a lookup). Kept in
+memory and on disk (`batchspec/cache.py`); a table read from disk is measured again when a plain
+pass now runs in under STALE of what it says (it was taken at a busy moment).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import cache
+from ..core.forward import LEAN_REVISION, make_forward
+from ..core.timing import fastest, kv_buffer, step_runner, step_time
+from .costs import CostTable
+
+PROFILE_BUDGET_S = 8.0  # seconds the timed sweeps may take after the first
+STALE = 0.7  # a table read from disk is measured again when a plain pass now takes less than this share of it
+CONTEXT = 128  # keys each profiled row attends over
+_TABLES: dict[tuple, CostTable] = {}
+
+
+def profile_rows(batch_size: int) -> tuple[int, ...]:
+    """1 and the batch size, and 8 between them for a larger batch: V is far from linear in rows
+    on a CPU below 8 (matrix-vector kernels) and close to it above."""
+    return tuple(sorted({1, batch_size} | ({8} if batch_size > 16 else set())))
+
+
+def cost_table(target, drafter, draft_model, batch_size: int, gamma: int, forward: str = "auto") -> CostTable:
+    """The cost table of `target` with `drafter` (`Drafter.step_probe`; `draft_model` names its model
+    in the cache key, None for a lookup) at rows `profile_rows(batch_size)` by 1 .. γ + 1 tokens."""
+    rows, cols = profile_rows(batch_size), tuple(range(1, gamma + 2))
+    label = getattr(drafter, "label", None)
+    key = (id(target), id(draft_model), label, str(target.device), str(target.dtype), torch.get_num_threads(),
+           rows, cols, forward)
+    if key in _TABLES:
+        return _TABLES[key]
+    kernels = [plan.key() if (plan := getattr(make_forward(m, forward), "plan", None)) else None
+               for m in (target, draft_model) if m is not None]
+    path = cache.profile_path(target, draft_model, {"rows": rows, "cols": cols, "context": CONTEXT, "drafter": label,
+                                                    "forward": forward, "kernels": kernels, "lean": LEAN_REVISION,
+                                                    "table": 2})
+    table = _read(path)
+    if table is None or any(step_time(target, b, CONTEXT, 1, 3, forward) < STALE * table.verify_s[(b, 1)]
+                            for b in rows):
+        table = measure(target, drafter, rows, cols, forward)
+        cache.write(path, table.to_json())
+    _TABLES[key] = table
+    return table
+
+
+def _read(path) -> CostTable | None:
+    data = cache.read(path)
+    try:
+        return CostTable.from_json(data) if data is not None else None
+    except (KeyError, TypeError, ValueError):
+        return None  # from another version: measure again
+
+
+def measure(target, drafter, rows: tuple[int, ...], cols: tuple[int, ...], forward: str = "auto") -> CostTable:
+    """Time the grid now (see the module docstring)."""
+    b, n = rows[-1], cols[-1]
+    width = CONTEXT + n
+    buffers = {r: kv_buffer(target, r, width) for r in rows}
+    runners = {("verify", r, c): step_runner(target, r, CONTEXT, c, forward, kv=buffers[r]) for r in rows for c in cols}
+    if b > 1 and n > 1:  # one row fed n tokens, the others 1: what a packed pass saves per token
+        runners[("ragged", b, n)] = step_runner(target, b, CONTEXT, 1, forward, first=n, kv=buffers[b])
+    probes = {r: drafter.step_probe(r, CONTEXT) if drafter is not None else None for r in rows}
+    runners.update({("draft", r, 1): p for r, p in probes.items() if p is not None})
+    timed = fastest(runners, 5, PROFILE_BUDGET_S)
+    verify = {(r, c): timed[("verify", r, c)] for r in rows for c in cols}
+    for i, r in enumerate(rows):  # a noisy machine can time a bigger pass faster: more never costs less
+        for j, c in enumerate(cols):
+            verify[(r, c)] = max([verify[(r, c)]] + ([verify[(rows[i - 1], c)]] if i else [])
+                                 + ([verify[(r, cols[j - 1])]] if j else []))
+    token_s = 0.0
+    if ("ragged", b, n) in timed:
+        token_s = max(0.0, (verify[(b, n)] - timed[("ragged", b, n)]) / ((b - 1) * (n - 1)))
+    draft = {r: timed[("draft", r, 1)] for r in rows if ("draft", r, 1) in timed}
+    return CostTable(rows, cols, verify, draft, token_s)

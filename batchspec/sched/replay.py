@@ -1,0 +1,225 @@
+"""Trace replay: a policy judged on recorded rounds, against every fixed γ and two oracles.
+
+A trace is recorded from a real run at fixed γ (`--no-adaptive`: every row drafts its cap, a
+lookup row what its lookup found): per round, per row, its request, its cap, the drafter's offer
+(a lookup's count, or None: a model drafts it), whether it is held (seeded sampled) and how many
+of its drafts were accepted; per round, the seconds of the offer, the draft stage, the verify
+stage and the whole round (rounds a prompt joined are kept, but their seconds are not read); and
+the run's cost table (`costs.py`). Verification accepts the
+longest agreeing prefix, so a row that accepted a of its cap would have accepted min(a, n) of
+any n <= cap drafts: the trace says what every shorter plan would have got. (A replay takes the
+recorded rounds as they came: rows that accept less would reach later rounds later, which it
+does not model.)
+
+Replaying a policy, round by round: it sees the same rows, with records built from what it
+verified so far, plans lengths n_i, and the round commits Σ (1 + min(a_i, n_i)) tokens in
+
+    T(n) x (recorded measured / predicted, per stage)  +  host  (+ the offer's seconds if asked)
+
+host being the recorded rounds' mean time beyond their stages. Competitors: `fixed γ=k` for every
+k <= γ; `oracle`, the same plan with each request's true per-position rates over the whole trace
+(what the best rate-based plan could know); `clairvoyant`, which knows each round's a_i (the
+bound no plan reaches). Greedy and sampled rows replay alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..core.request import AcceptanceRecord, RequestStats
+from .costs import CostTable
+from .policy import SpecPolicy
+from .tetris import best_budget, cumulative
+
+VERSION = 1
+
+
+@dataclass
+class Trace:
+    gamma: int
+    table: CostTable
+    # per round: {"rows": [[request, cap, offer, held, accepted], ...], "offer_s", "draft_s", "verify_s", "round_s",
+    # "fused": whether prompts joined its pass (their rows have cap 0; its seconds are no decoding round's)}
+    rounds: list[dict] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)  # what was recorded (models, batch size, drafter, machine)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps({"version": VERSION, "gamma": self.gamma, "table": self.table.to_json(),
+                                          "meta": self.meta, "rounds": self.rounds}, separators=(",", ":")))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        data = json.loads(Path(path).read_text())
+        if data.get("version") != VERSION:
+            raise ValueError(f"{path}: a trace of version {data.get('version')}, this batchspec reads {VERSION}")
+        return cls(data["gamma"], CostTable.from_json(data["table"]), data["rounds"], data.get("meta", {}))
+
+
+class TraceRecorder:
+    """Set as `SpecEngine.trace` on an engine at fixed γ; every decoding round lands in `trace`."""
+
+    def __init__(self, gamma: int, table: CostTable, meta: dict | None = None) -> None:
+        self.trace = Trace(gamma, table, meta=meta or {})
+        self._offer_s = 0.0
+
+    def record(self, batch, caps, offer, accepted, offer_s, draft_s, verify_s, round_s, fused) -> None:
+        if not any(caps):  # nothing to draft: no decision in it
+            return
+        offer = offer or [None] * len(batch)
+        rows = [[r.index, c, o, r.params.seed is not None and not r.params.greedy, a]
+                for r, c, o, a in zip(batch, caps, offer, accepted)]
+        self.trace.rounds.append({"rows": rows, "offer_s": offer_s, "draft_s": draft_s, "verify_s": verify_s,
+                                  "round_s": round_s, "fused": fused})
+
+
+@dataclass
+class _Costs:
+    """A trace's cost table, scaled to what its rounds measured."""
+
+    table: CostTable
+    draft_ratio: float
+    verify_ratio: float
+    host_s: float
+
+    @classmethod
+    def of(cls, trace: Trace) -> _Costs:
+        """Medians over the rounds (a first round can include one-off work, such as measuring kernels)."""
+        table, ratios = trace.table, ([], [], [])
+        for rnd in (r for r in trace.rounds if not r["fused"]):  # (a joining prompt's pass measures no round)
+            lengths = [min(c, o) if o is not None else c for _, c, o, _, _ in rnd["rows"]]
+            model = [o is None and n > 0 for (_, _, o, _, _), n in zip(rnd["rows"], lengths)]
+            fed = [sum(1 for n, m in zip(lengths, model) if m and n > j) for j in range(max(lengths))]
+            if any(fed):
+                ratios[0].append(rnd["draft_s"] / sum(map(table.draft, fed)))
+            ratios[1].append(rnd["verify_s"] / table.verify(len(lengths), max(lengths), sum(lengths)))
+            ratios[2].append(rnd["round_s"] - rnd["draft_s"] - rnd["verify_s"] - rnd["offer_s"])
+        return cls(table, *(statistics.median(r) if r else 1.0 for r in ratios[:2]),
+                   max(0.0, statistics.median(ratios[2])) if ratios[2] else 0.0)
+
+    def seconds(self, lengths: list[int], model: list[bool]) -> tuple[float, float]:
+        fed = [sum(1 for n, m in zip(lengths, model) if m and n > j) for j in range(max(lengths, default=0))]
+        return (self.draft_ratio * sum(map(self.table.draft, fed)),
+                self.verify_ratio * self.table.verify(len(lengths), max(lengths, default=0), sum(lengths)))
+
+
+def replay(trace: Trace, choose) -> float:
+    """Tokens per second of `choose` over the trace: choose(ids, records, caps, offer, held,
+    accepted, costs) -> (lengths, whether the offer was asked for); a `choose.observe` learns what
+    each round verified."""
+    costs, stats, tokens, seconds = _Costs.of(trace), {}, 0, 0.0
+    for rnd in trace.rounds:
+        ids, caps, offer, held, accepted = (list(x) for x in zip(*rnd["rows"]))
+        records = [stats.setdefault(i, RequestStats()) for i in ids]
+        lengths, asked = choose(ids, records, caps, offer, held, accepted, costs)
+        got = [min(a, n) for a, n in zip(accepted, lengths)]
+        model = [o is None and n > 0 for o, n in zip(offer, lengths)]
+        draft_s, verify_s = costs.seconds(lengths, model)
+        for rec, a, n, o in zip(records, got, lengths, offer):
+            if n:
+                rec.count_drafts(a, n, o is not None)
+        if hasattr(choose, "observe"):
+            choose.observe(lengths, got, [o is not None for o in offer], draft_s, verify_s)
+        tokens += len(ids) + sum(got)
+        seconds += draft_s + verify_s + costs.host_s + (rnd["offer_s"] if asked else 0.0)
+    return tokens / seconds if seconds else 0.0
+
+
+class PolicyChooser:
+    """`replay`'s view of a SpecPolicy: the engine's round, less the tensors."""
+
+    def __init__(self, policy: SpecPolicy) -> None:
+        self.policy, self._decision = policy, None
+
+    def __call__(self, ids, records, caps, offer, held, accepted, costs):
+        if isinstance(self.policy, Hindsight):  # (it reads the truth by request)
+            self.policy.ids = ids
+        if not any(caps) or not self.policy.worth_offering(tuple(ids), records, caps, held):
+            self._decision = None
+            return [0] * len(caps), False
+        self._decision = self.policy.plan(records, caps, offer, held)
+        return self._decision.lengths, True
+
+    def observe(self, lengths, accepted, looked, draft_s, verify_s) -> None:
+        if self._decision is not None:
+            self.policy.observe(self._decision, lengths, accepted, looked, draft_s, verify_s)
+
+
+def fixed(k: int):
+    """Every row drafts min(k, its cap, what its lookup found); k = 0 is plain decoding."""
+    def choose(ids, records, caps, offer, held, accepted, costs):
+        return [min(k, c, o) if o is not None else min(k, c) for c, o in zip(caps, offer)], k > 0
+    return choose
+
+
+def clairvoyant(ids, records, caps, offer, held, accepted, costs):
+    """Knows each row's accepted count: gains 1 up to it, 0 after."""
+    caps = [min(c, o) if o is not None else c for c, o in zip(caps, offer)]
+    gains = [[1.0 if j < a else 0.0 for j in range(c)] for a, c in zip(accepted, caps)]
+    lengths, _ = best_budget(gains, costs.table.round_s(len(caps)), len(caps), [o is None for o in offer],
+                             [c if h else 0 for c, h in zip(caps, held)])
+    return lengths, True
+
+
+class Hindsight(SpecPolicy):
+    """The policy's plan with each request's true per-position rates over the whole trace."""
+
+    def __init__(self, trace: Trace) -> None:
+        super().__init__(trace.gamma, copy.deepcopy(trace.table))
+        self.truth, self.ids = _truth(trace), []
+
+    def gains(self, stats, looked, caps):
+        out = []
+        for i, lk, c in zip(self.ids, looked, caps):
+            rec = self.truth.get((i, lk))
+            out.append(cumulative([rec.accepted[j] / rec.reached[j] if rec and j < len(rec.reached)
+                                   and rec.reached[j] else 0.0 for j in range(c)]))
+        return out
+
+
+def compare(trace: Trace, policy: SpecPolicy | None = None) -> dict[str, float]:
+    """Tokens per second over `trace` of the policy (default: the engine's, on the trace's table),
+    plain decoding, every fixed γ, the hindsight oracle and the clairvoyant bound."""
+    out = {"policy": replay(trace, PolicyChooser(policy or SpecPolicy(trace.gamma, copy.deepcopy(trace.table))))}
+    for k in range(trace.gamma + 1):
+        out[f"fixed γ={k}" if k else "plain"] = replay(trace, fixed(k))
+    out["oracle"] = replay(trace, PolicyChooser(Hindsight(trace)))
+    out["clairvoyant"] = replay(trace, clairvoyant)
+    return out
+
+
+def _truth(trace: Trace) -> dict[tuple[int, bool], AcceptanceRecord]:
+    """Per (request, source): its acceptance over every recorded round at the recorded lengths."""
+    out: dict[tuple[int, bool], AcceptanceRecord] = {}
+    for rnd in trace.rounds:
+        for i, c, o, _, a in rnd["rows"]:
+            n = min(c, o) if o is not None else c
+            if n:
+                out.setdefault((i, o is not None), AcceptanceRecord()).add(a, n)
+    return out
+
+
+def record(engine, prompts, params, meta: dict | None = None) -> Trace:
+    """Run `prompts` on `engine` (fixed γ: built with adaptive=False) and return the trace of its
+    rounds, with the cost table measured for its models (sched/profile.py)."""
+    from .profile import cost_table
+
+    cfg = engine.config
+    if cfg.adaptive or not cfg.speculative:
+        raise ValueError("record a trace at fixed γ (adaptive=False, a speculative method): replay needs every row "
+                         "to draft its cap")
+    table = cost_table(engine.pair.target, engine.drafter, engine.pair.draft if engine.draft_runner else None,
+                       cfg.batch_size, cfg.gamma, cfg.forward)
+    recorder = TraceRecorder(cfg.gamma, copy.deepcopy(table), {"batch_size": cfg.batch_size, "drafter": cfg.drafter,
+                                                                "method": cfg.method, "recorded": time.time(),
+                                                                **(meta or {})})
+    engine.trace = recorder
+    try:
+        engine.generate(prompts, params)
+    finally:
+        engine.trace = None
+    return recorder.trace
