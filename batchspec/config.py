@@ -40,14 +40,14 @@ class EngineConfig:
                   prefill forward apart.
     adaptive      plan each row's draft length (0..gamma) every round from measured step costs and
                   the rows' acceptance, maximising expected tokens per second (all 0: a plain
-                  decoding round), then verify the drafted tokens most likely to be accepted under
-                  the budget that pays best (see sched/adaptive.py); gamma is then the most a row
+                  decoding round), verifying the drafts most likely to be accepted under the budget
+                  that pays best (see sched/policy.py); gamma is then the most a row
                   drafts. Greedy output is unchanged; sampled output stays distributed as the
                   target's. A seeded sampled request is left out of the plan (it drafts and
                   verifies as with fixed gamma), so its sample does not depend on its batch.
     budget        TETRIS: verify at most this many draft tokens per round across the batch, chosen by
                   estimated cumulative acceptance (only prefixes of rows' drafts); with adaptive the
-                  policy otherwise chooses the budget itself each round (sched/adaptive.py).
+                  policy otherwise chooses the budget itself each round (sched/policy.py).
     draft_window  the draft model's context per request: its first 4 tokens and its last
                   draft_window to 2 x draft_window (StreamingLLM's sinks and window; see
                   drafters/model.py), re-cut when it would grow past that; None: the whole request.

@@ -176,7 +176,7 @@ class SpecEngine:
                              "--max-kv-tokens or lower max_new_tokens")
         if params.stop and self.pair.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
-        if self.drafter is not None and getattr(self.drafter, "synthetic", False) and not params.greedy:
+        if self.drafter is not None and self.drafter.synthetic and not params.greedy:
             raise ValueError("the oracle drafter proposes the target's greedy output; use temperature 0")
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
@@ -483,7 +483,7 @@ class SpecEngine:
         encoded = [self.encode(p) for p in prompts]
         for i, (ids, sp) in enumerate(zip(encoded, params)):
             self.check_request(ids, sp, where=f"prompt {i}")
-        if self.drafter is not None and getattr(self.drafter, "synthetic", False):
+        if self.drafter is not None and self.drafter.synthetic:
             self._oracle_references(encoded, params, references)
         return encoded, list(params)
 

@@ -1,4 +1,4 @@
-"""The adaptive policy's cost profile, corrections, guard and decisions after two runs at batch 32 and 8.
+"""The adaptive policy's cost table, its corrections and decisions after two runs at batch 32 and 8.
 
 Usage: PYTHONPATH=. python scripts/cuda_policy.py DEVICE [PROMPTS NEW_TOKENS]   (docs/gpu.md; 64 x 32)"""
 import sys
@@ -18,12 +18,11 @@ for bs in (32, 8):
         t = time.perf_counter()
         e.generate(texts, params)
         print(bs, "run", round(time.perf_counter() - t, 3), flush=True)
-    c = e.policy.cost
-    print("rows", c.rows, "cols", c.cols, "token_s", c.token_s, "catch_up_s", c.catch_up_s)
+    c = e.policy.table
+    print("rows", c.rows, "cols", c.cols, "token_s", c.token_s)
     print("verify_s ms", {k: round(v * 1e3, 2) for k, v in c.verify_s.items()})
     print("draft_s ms", {k: round(v * 1e3, 2) for k, v in c.draft_s.items()})
-    print("scales v/p/d", round(c.verify_scale, 3), round(c.plain_scale, 3), round(c.draft_scale, 3), c.depth_scale)
-    print("guard", vars(e.policy.guard))
+    print("scales", {k: round(v, 3) for k, v in c.scale.items()})
     s = e.last_run.summary()
     print("adaptive", s.get("adaptive"), flush=True)
     print("stage", {k: round(v, 3) for k, v in e.timer.totals.items()}, flush=True)

@@ -24,6 +24,7 @@ import tracemalloc
 import torch
 
 from batchspec.core.request import FinishReason, Request
+from batchspec.drafters.base import RoundOutcome
 from batchspec.drafters.ngram import NgramDrafter
 from batchspec.drafters.suffix import SuffixDrafter
 from batchspec.sampling import BatchSampling, SamplingParams
@@ -68,15 +69,16 @@ def run(name: str, kind: str, context: int, batch: int, gamma: int, rounds: int,
     times, proposed, accepted = [], 0, 0
     for _ in range(rounds):
         start = time.perf_counter()
-        out = drafter.propose(reqs, gamma, None, greedy)
+        out = drafter.propose(reqs, [gamma] * batch, None, greedy)
         times.append(time.perf_counter() - start)
-        rows = out.tokens.tolist()
+        rows, taken = out.tokens.tolist(), []
         for r, s, row, n in zip(reqs, streams, rows, out.lengths):
             at = r.num_tokens
             a = next((j for j in range(n) if row[j] != s[at + j]), n)
             r.token_ids.extend(s[at:at + a + 1])
             proposed, accepted = proposed + n, accepted + a
-        drafter.observe(reqs, [0] * batch)
+            taken.append(a)
+        drafter.observe(reqs, RoundOutcome(taken, list(out.lengths)))
     per_row_us = [t / batch * 1e6 for t in times]
     return {"drafter": drafter.label, "stream": kind, "context": context, "batch": batch, "gamma": gamma,
             "us_per_row_round": statistics.mean(per_row_us), "us_per_row_round_p90": _p90(per_row_us),

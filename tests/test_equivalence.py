@@ -4,7 +4,7 @@ Acceptance is forced to be ragged by an oracle drafter that proposes the referen
 with mismatches injected at positions that differ per row and per round; a second stop token
 placed mid-sequence makes rows finish at different rounds, often inside an accepted draft.
 Fixed γ throughout (adaptive=False): every row drafts what the oracle proposes; the adaptive
-policy, which may run rounds plain, is checked for exactness in test_adaptive.py.
+policy, which may run rounds plain, is checked for exactness in test_policy.py.
 """
 
 from __future__ import annotations

@@ -107,22 +107,24 @@ def test_a_round_that_prefills_keeps_no_plain_plan_for_the_next():
     assert engine.stats.drafted > 0 and engine.stats.rounds < 0.75 * sum(len(r) for r in refs[:4])
 
 
-def test_a_joining_rows_lookup_index_is_not_charged_to_the_round():
-    """The policy prices a lookup's indexing into a speculative round by each row's share; a row
-    joining with its prompt drafts nothing there, so its share is 0."""
-    p, ids, _ = workload("llama")
+def test_a_joining_row_is_neither_looked_up_nor_planned_drafts():
+    """A row joining the round with its prompt drafts nothing there: its cap is 0 when the lookup
+    is asked for an offer and when the policy plans, so no lookup runs for it and no draft is
+    priced for it; the rows beside it are planned as usual."""
+    p, ids, refs = workload("llama")
     engine = SpecEngine(p, EngineConfig(drafter="ngram", batch_size=2, gamma=3))
-    index_s, seen = engine.drafter.index_s, []
+    offer, seen = engine.drafter.offer, []
+    engine.policy.worth_offering = lambda *a: True  # (every round asks: whether it pays is the clock's call)
 
-    def recording(reqs, shares, intake):
-        seen.extend((r.kv_len.get("target", 0) < r.num_tokens - 1, share) for r, share in zip(reqs, shares))
-        return index_s(reqs, shares, intake)
+    def recording(reqs, caps):
+        seen.extend((r.kv_len.get("target", 0) < r.num_tokens - 1, cap) for r, cap in zip(reqs, caps))
+        return offer(reqs, caps)
 
-    engine.drafter.index_s = recording
-    engine.generate(ids[:8], SamplingParams(max_new_tokens=MAX_NEW))
-    joining = [share for join, share in seen if join]
-    assert joining and all(share == 0.0 for share in joining)
-    assert any(share > 0 for join, share in seen if not join)
+    engine.drafter.offer = recording
+    assert [o.token_ids for o in engine.generate(ids[:8], SamplingParams(max_new_tokens=MAX_NEW))] == refs[:8]
+    joining = [cap for join, cap in seen if join]
+    assert joining and all(cap == 0 for cap in joining)
+    assert any(cap > 0 for join, cap in seen if not join)
 
 
 def test_fuse_prefill_must_be_a_bool():

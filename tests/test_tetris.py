@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchspec.sched.tetris import best_budget, cumulative, ranking, rate_of, select
+from batchspec.sched.tetris import best_budget, cumulative, ranking, select
 
 EXAMPLE = [cumulative([0.9, 0.8, 0.5]), cumulative([0.5, 0.5, 0.5])]
 
@@ -70,50 +70,26 @@ def test_best_budget_keeps_the_depth_counts():
     seen = []
     best_budget(EXAMPLE, lambda total, depth_rows: seen.append((total, list(depth_rows))) or 1.0, 2)
     assert seen[:4] == [(0, []), (1, [1]), (2, [1, 1]), (3, [2, 1])]  # 0.9, 0.72 of row 0, then 0.5 of row 1
-    seen.clear()  # row 0's drafter is 4 tokens behind: its first step feeds 5, and it now ranks by
-    # gain per token fed (0.18, 0.144, ...), after row 1's 0.5 and 0.25
-    best_budget(EXAMPLE, lambda total, fed: seen.append((total, list(fed))) or 1.0, 2, first_fed=[5, 1])
-    assert seen[:5] == [(0, []), (1, [1]), (2, [1, 1]), (3, [6, 1]), (4, [6, 2])]
 
 
 def test_best_budget_feeds_no_step_for_a_row_a_lookup_drafts():
-    """first_fed[i] = 0: row i's drafts cost no draft step (a hybrid drafter's lookup has them), so
-    they are ranked by gain alone and never counted in fed."""
+    """model_rows[i] False: row i's drafts cost no draft step (a lookup has them), so they are
+    ranked by gain alone and never counted in fed."""
     seen = []
-    best_budget(EXAMPLE, lambda total, fed: seen.append((total, list(fed))) or 1.0, 2, first_fed=[0, 1])
+    best_budget(EXAMPLE, lambda total, fed: seen.append((total, list(fed))) or 1.0, 2, model_rows=[False, True])
     # gains taken 0.9, 0.72 (row 0), 0.5 (row 1), 0.36 (row 0), 0.25 (row 1): only row 1 feeds a step
     assert seen[:6] == [(0, []), (1, [0]), (2, [0, 0]), (3, [1, 0]), (4, [1, 0, 0]), (5, [1, 1, 0])]
 
 
 def test_among_equal_gains_a_row_no_step_feeds_comes_first():
-    """Two rows, one draft each worth 0.5: row 1's lookup drafts it (first_fed 0), row 0 needs a
+    """Two rows, one draft each worth 0.5: row 1's lookup drafts it (no model step), row 0 needs a
     draft step (0.5 s). Taken first, row 1's draft pays on its own (2.5 tokens in 1.1 s against 2 in
     1); row 0's first, the step made both drafts look worse than none."""
     def seconds(total, fed):
         return 1 + 0.1 * total + 0.5 * sum(1 for f in fed if f)
 
-    assert best_budget([[0.5], [0.5]], seconds, 2, first_fed=[1, 0])[0] == [0, 1]
-    assert best_budget([[0.5], [0.5]], seconds, 2, first_fed=[0, 1])[0] == [1, 0]
-
-
-def test_a_row_charged_for_drafting_at_all_drafts_only_if_its_gains_pay_the_charge():
-    """row_s[i]: seconds a round is charged once row i verifies any draft (a cohort row's split,
-    sched/adaptive.py). A round costs 10 + 1 per draft: without charges the EXAMPLE takes
-    [3, 1]; charging row 1 12 leaves it plain, [3, 0] (3.98 tokens / 13, where [3, 1] would be
-    4.48 / 26); charging row 0 12 leaves row 0 plain, [0, 2]. Each is the best of every choice."""
-    def seconds(total, fed):
-        return 10 + total
-
-    def best(row_s):
-        return max(((a, b) for a in range(4) for b in range(4)),
-                   key=lambda ab: (2 + sum(EXAMPLE[0][:ab[0]]) + sum(EXAMPLE[1][:ab[1]]))
-                   / (10 + sum(ab) + sum(c for c, n in zip(row_s, ab) if n)))
-
-    assert best_budget(EXAMPLE, seconds, 2)[0] == [3, 1] == list(best([0, 0]))
-    assert best_budget(EXAMPLE, seconds, 2, row_s=[0, 12])[0] == [3, 0] == list(best([0, 12]))
-    assert best_budget(EXAMPLE, seconds, 2, row_s=[12, 0])[0] == [0, 2] == list(best([12, 0]))
-    lengths, rate = best_budget(EXAMPLE, seconds, 2, row_s=[100, 100])
-    assert lengths == [0, 0] and rate == pytest.approx(2 / 10)
+    assert best_budget([[0.5], [0.5]], seconds, 2, model_rows=[True, False])[0] == [0, 1]
+    assert best_budget([[0.5], [0.5]], seconds, 2, model_rows=[False, True])[0] == [1, 0]
 
 
 @settings(max_examples=200, deadline=None)
@@ -157,31 +133,32 @@ def test_best_budget_docstring_example_with_held_drafts():
 
 
 def test_a_draft_worth_nothing_is_never_taken():
-    """A round that verifies drafts can be priced below a plain one (speculative and plain rounds
-    are scaled apart: `sched/adaptive.py`); drafts that add no expected token are still not taken
-    for what the pass is priced at."""
+    """A round that verifies drafts can be priced below a plain one (by a cost function that says
+    so); drafts that add no expected token are still not taken for what the pass is priced at."""
     def seconds(total, fed):
         return 0.010 if total else 0.020  # any speculative round "cheaper" than a plain one
 
-    assert best_budget([[0.0, 0.0], [0.0, 0.0]], seconds, 2.0, [0.0, 0.0]) == ([0, 0], 100.0)
-    lengths, _ = best_budget([[0.5, 0.0], [0.0, 0.0]], seconds, 2.0, [0.0, 0.0])
+    assert best_budget([[0.0, 0.0], [0.0, 0.0]], seconds, 2.0, [False, False]) == ([0, 0], 100.0)
+    lengths, _ = best_budget([[0.5, 0.0], [0.0, 0.0]], seconds, 2.0, [False, False])
     assert lengths == [1, 0]
 
 
-def test_rate_of_docstring_example():
-    assert rate_of([[0.9, 0.72], [0.5]], lambda total, fed: 1 + total / 10, 2, [2, 1]) == pytest.approx(4.12 / 1.3)
+def rate_of(gains, seconds, base_tokens, lengths, model_rows) -> float:
+    """(base_tokens + each row's first lengths[i] gains) / seconds(total, fed), fed[j] the model
+    rows verifying more than j drafts: what `best_budget` rates lengths at."""
+    fed = [sum(1 for n, m in zip(lengths, model_rows) if m and n > j) for j in range(max(lengths, default=0))]
+    return (base_tokens + expected(gains, lengths)) / seconds(sum(lengths), fed)
 
 
 @settings(max_examples=60, deadline=None)
 @given(rates=rows, fixed=st.floats(0.001, 0.05), per_token=st.floats(0.0001, 0.01), data=st.data())
-def test_rate_of_rates_lengths_as_best_budget_does(rates, fixed, per_token, data):
-    """best_budget's rate is rate_of its lengths (fed per depth, a row fed 0 at depth 0 feeding no
-    step below either)."""
+def test_best_budget_rates_its_lengths_as_they_cost(rates, fixed, per_token, data):
+    """best_budget's rate is that of its lengths, fed per depth by the model rows only."""
     gains = [cumulative(r) for r in rates]
-    first_fed = data.draw(st.lists(st.sampled_from([0.0, 1.0, 3.0]), min_size=len(gains), max_size=len(gains)))
+    model_rows = data.draw(st.lists(st.booleans(), min_size=len(gains), max_size=len(gains)))
 
     def seconds(total, fed):
-        return fixed + per_token * total + 0.003 * sum(fed)
+        return fixed + per_token * total + 0.003 * sum(1 for f in fed if f)
 
-    lengths, rate = best_budget(gains, seconds, len(gains), first_fed)
-    assert rate_of(gains, seconds, len(gains), lengths, first_fed) == pytest.approx(rate)
+    lengths, rate = best_budget(gains, seconds, len(gains), model_rows)
+    assert rate_of(gains, seconds, len(gains), lengths, model_rows) == pytest.approx(rate)

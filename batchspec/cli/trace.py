@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
 from ..config import EngineConfig
@@ -65,7 +66,7 @@ def replay(traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help
             fail(f"{path}: not a trace ({exc})")
         res = compare(trace)
         best = max((k for k in res if k.startswith("fixed")), key=res.get)
-        table.add_row(path.name, str(len(trace.rounds)), f"{res['policy']:.1f}", f"{res['plain']:.1f}",
+        table.add_row(path.stem, str(len(trace.rounds)), f"{res['policy']:.1f}", f"{res['plain']:.1f}",
                       f"{res[best]:.1f} ({best.split('=')[1]})", f"{res['oracle']:.1f}", f"{res['clairvoyant']:.1f}",
                       f"{res['policy'] / res['oracle']:.3f}", f"{res['policy'] / res[best]:.3f}")
-    console.print(table)
+    Console(width=max(console.width, 132)).print(table)

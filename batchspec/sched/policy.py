@@ -16,8 +16,10 @@ Pure Python over the rows' acceptance records and the cost table (`costs.py`). P
             every row commits (acceptance stops at the first rejection)
     plan    rank every (i, j) by G_ij (TETRIS, `tetris.py`: prefixes of rows only) and take the
             prefix with the most (b + Σ G) / T(lengths), T from the cost table: one draft step per
-            depth for the rows a model drafts, none for lookup rows, and one verify pass. All
-            lengths 0 is a plain round, chosen whenever nothing beats it.
+            depth for the rows a model drafts, none for lookup rows, and one verify pass; the
+            shapes of fixed γ = k (every row, or the lookup rows alone) are priced too, since T
+            is not additive and no prefix may hold them. All lengths 0 is a plain round, chosen
+            whenever nothing beats it.
 
 Before the plan a drafter says what it can offer (`Drafter.offer`): a lookup's row is capped at
 the drafts it found and costs no step. A lookup costs host time every round, so first the same
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 
 from ..core.request import AcceptanceRecord
 from .costs import CostTable
-from .tetris import best_budget, cumulative, select
+from .tetris import best_budget, cumulative, rate_of, select
 
 SHRINK = 16.0  # drafts' worth of the pair's rate that a row's own record starts from
 EXPLORE = 0.5  # standard errors added to the pair's rates: a rate resting on few drafts is tried
@@ -119,12 +121,28 @@ class SpecPolicy:
             lengths = list(caps)
         else:
             gains = self.gains(stats, looked, caps)
-            lengths, _ = best_budget(gains, self.table.round_s(len(caps)), len(caps), model_rows, fixed)
+            lengths = self._best(gains, caps, model_rows, fixed)
         if self.budget is not None and sum(lengths) > self.budget:
             gains = gains or self.gains(stats, looked, lengths)
             lengths = select([g[:n] for g, n in zip(gains, lengths)], self.budget, fixed)
         return Decision(len(caps), lengths, [m and n > 0 for m, n in zip(model_rows, lengths)],
                         self.table is not None)
+
+    def _best(self, gains: list[list[float]], caps: list[int], model_rows: list[bool], fixed: list[int]) -> list[int]:
+        """The best of the ranking's prefixes (`best_budget`) and 2γ shapes no prefix may hold, priced
+        alike: every row min(k, cap), and the lookup rows alone at min(k, cap) (costs are not
+        additive: a depth's draft step or a wider pass is paid once, so a dear model row's draft
+        can rank before a free row's next one, or one row's 2nd before another's 1st)."""
+        b, seconds = len(caps), self.table.round_s(len(caps))
+        lengths, rate = best_budget(gains, seconds, b, model_rows, fixed)
+        for k in range(1, self.gamma + 1):
+            for rows in (None, [not m for m in model_rows]):
+                shape = [max(f, min(k, c) if rows is None or rows[i] else 0) for i, (c, f) in
+                         enumerate(zip(caps, fixed))]
+                r = rate_of(gains, seconds, b, shape, model_rows)
+                if r > rate * (1 + 1e-9):
+                    lengths, rate = shape, r
+        return lengths
 
     def predicted(self, decision: Decision, lengths: list[int]) -> tuple[float, float]:
         """(draft, verify) seconds the table predicts for `decision` verifying `lengths`."""

@@ -34,7 +34,7 @@ def cost_table(target, drafter, draft_model, batch_size: int, gamma: int, forwar
     """The cost table of `target` with `drafter` (`Drafter.step_probe`; `draft_model` names its model
     in the cache key, None for a lookup) at rows `profile_rows(batch_size)` by 1 .. γ + 1 tokens."""
     rows, cols = profile_rows(batch_size), tuple(range(1, gamma + 2))
-    label = getattr(drafter, "label", None)
+    label = drafter.label if drafter is not None else None
     key = (id(target), id(draft_model), label, str(target.device), str(target.dtype), torch.get_num_threads(),
            rows, cols, forward)
     if key in _TABLES:

@@ -107,10 +107,10 @@ class _Costs:
                 self.verify_ratio * self.table.verify(len(lengths), max(lengths, default=0), sum(lengths)))
 
 
-def replay(trace: Trace, choose) -> float:
+def replay(trace: Trace, choose, observe=None) -> float:
     """Tokens per second of `choose` over the trace: choose(ids, records, caps, offer, held,
-    accepted, costs) -> (lengths, whether the offer was asked for); a `choose.observe` learns what
-    each round verified."""
+    accepted, costs) -> (lengths, whether the offer was asked for); observe(lengths, accepted,
+    looked, draft_s, verify_s), if given, learns what each round verified."""
     costs, stats, tokens, seconds = _Costs.of(trace), {}, 0, 0.0
     for rnd in trace.rounds:
         ids, caps, offer, held, accepted = (list(x) for x in zip(*rnd["rows"]))
@@ -122,8 +122,8 @@ def replay(trace: Trace, choose) -> float:
         for rec, a, n, o in zip(records, got, lengths, offer):
             if n:
                 rec.count_drafts(a, n, o is not None)
-        if hasattr(choose, "observe"):
-            choose.observe(lengths, got, [o is not None for o in offer], draft_s, verify_s)
+        if observe is not None:
+            observe(lengths, got, [o is not None for o in offer], draft_s, verify_s)
         tokens += len(ids) + sum(got)
         seconds += draft_s + verify_s + costs.host_s + (rnd["offer_s"] if asked else 0.0)
     return tokens / seconds if seconds else 0.0
@@ -184,10 +184,12 @@ class Hindsight(SpecPolicy):
 def compare(trace: Trace, policy: SpecPolicy | None = None) -> dict[str, float]:
     """Tokens per second over `trace` of the policy (default: the engine's, on the trace's table),
     plain decoding, every fixed γ, the hindsight oracle and the clairvoyant bound."""
-    out = {"policy": replay(trace, PolicyChooser(policy or SpecPolicy(trace.gamma, copy.deepcopy(trace.table))))}
+    chooser = PolicyChooser(policy or SpecPolicy(trace.gamma, copy.deepcopy(trace.table)))
+    out = {"policy": replay(trace, chooser, chooser.observe)}
     for k in range(trace.gamma + 1):
         out[f"fixed γ={k}" if k else "plain"] = replay(trace, fixed(k))
-    out["oracle"] = replay(trace, PolicyChooser(Hindsight(trace)))
+    oracle = PolicyChooser(Hindsight(trace))
+    out["oracle"] = replay(trace, oracle, oracle.observe)
     out["clairvoyant"] = replay(trace, clairvoyant)
     return out
 

@@ -97,3 +97,16 @@ def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[f
     for _, i, _ in order[:best_total]:
         lengths[i] += 1
     return lengths, best_rate
+
+
+def rate_of(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[float]], float], base_tokens: float,
+            lengths: Sequence[int], model_rows: Sequence[bool] | None = None) -> float:
+    """What `best_budget` rates `lengths` at: (base_tokens + each row's first lengths[i] gains) /
+    seconds(total, fed), fed[j] the model rows verifying more than j drafts.
+
+    Example: gains [[0.9, 0.72], [0.5]], lengths [2, 1], seconds = 1 + total / 10: (2 + 0.9 +
+    0.72 + 0.5) / 1.3 = 3.17."""
+    model = model_rows if model_rows is not None else [True] * len(gains)
+    fed = [sum(1 for n, m in zip(lengths, model) if m and n > j) for j in range(max(lengths, default=0))]
+    tokens = base_tokens + sum(sum(g[:n]) for g, n in zip(gains, lengths))
+    return tokens / seconds(sum(lengths), fed)
