@@ -79,20 +79,6 @@ def cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> list[int]:
     return tokens
 
 
-def match_confidence(shares: list[float], m: int) -> list[float]:
-    """How likely each token a lookup copies is to be accepted, from the match it follows: token j
-    (0-based) continues a match of m + j tokens, and shares[j] is its share of what followed that
-    context before (count / (total + 1)). A long match makes any continuation likely, a short one
-    only a well-attested one: 1 - (1 - share) x 2 / (m + j). It orders drafts; the policy learns
-    what each level of it is worth (`sched/adaptive.py`, `Calibration`).
-
-    Measured (suffix lookups at batch 1, 48 bundled prompts, first drafts): accepted 0.40 after a
-    match of 2 tokens, 0.6 after 3-4, 0.85-0.92 after 5 or more; after m = 2, 0.14-0.27 for shares
-    below 0.4 and 0.6-0.8 above 0.6; after m >= 6, 0.9-1.0 whatever the share.
-    Example: m = 2, share 1/2 (seen once) -> 0.5, 0.67, 0.75 for j = 0, 1, 2; m = 6 -> 0.83."""
-    return [1.0 - (1.0 - q) * 2.0 / (m + j) for j, q in enumerate(shares)]
-
-
 def padded(rows: list[list], width: int, fill, device, dtype=None) -> torch.Tensor:
     """Ragged rows as a [B, width] tensor, each filled out with `fill`."""
     return torch.tensor([r + [fill] * (width - len(r)) for r in rows], dtype=dtype, device=device)
@@ -123,7 +109,7 @@ class LookupDrafter:
         return None
 
     def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
-        found = [self.find(r, c)[0] if c > 0 else [] for r, c in zip(reqs, caps)]
+        found = [self.find(r, c) if c > 0 else [] for r, c in zip(reqs, caps)]
         self._found = (_key(reqs), found)
         return [len(f) for f in found]
 
@@ -132,10 +118,10 @@ class LookupDrafter:
         found, self._found = self._found, None
         if found is not None and found[0] == _key(reqs):
             return [f[:n] for f, n in zip(found[1], lengths)]
-        return [self.find(r, n)[0] if n > 0 else [] for r, n in zip(reqs, lengths)]
+        return [self.find(r, n) if n > 0 else [] for r, n in zip(reqs, lengths)]
 
-    def find(self, req: Request, limit: int) -> tuple[list[int], list[float]]:
-        """(tokens proposed for `req`, at most `limit`; each one's `match_confidence`)."""
+    def find(self, req: Request, limit: int) -> list[int]:
+        """The tokens proposed for `req`, at most `limit` ([]: no match)."""
         raise NotImplementedError
 
     def propose(self, reqs: list[Request], lengths: list[int], uniforms: torch.Tensor | None,
@@ -170,17 +156,15 @@ class NgramDrafter(LookupDrafter):
             idx = self._index[req.index] = NgramIndex(self.min_n, self.max_n)
         return idx
 
-    def find(self, req: Request, limit: int) -> tuple[list[int], list[float]]:
-        """(proposed tokens, each one's `match_confidence`) for one request: at most min(k, limit)
-        tokens, cut after a stop token; ([], []) without a match. One occurrence says nothing of
-        how often the continuation follows: each token counts as once seen (share 1/2)."""
+    def find(self, req: Request, limit: int) -> list[int]:
+        """The proposed tokens for one request: at most min(k, limit), cut after a stop token; []
+        without a match."""
         idx = self.index(req)
         idx.extend(req.token_ids)
         n, e = idx.match(req.token_ids)
         if n == 0:
-            return [], []
-        out = cut_at_stop(idx.continuation(req.token_ids, e, min(self.k, limit)), req.stop_ids)
-        return out, match_confidence([0.5] * len(out), n)
+            return []
+        return cut_at_stop(idx.continuation(req.token_ids, e, min(self.k, limit)), req.stop_ids)
 
     def prefill(self, reqs: list[Request], ends: list[int], hidden=None) -> None:
         for r, e in zip(reqs, ends):  # index the prompt here, outside the decoding rounds

@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..core.request import FinishReason, Request
-from .ngram import LookupDrafter, cut_at_stop, match_confidence
+from .ngram import LookupDrafter, cut_at_stop
 from .trie import CountTrie, RequestTrie, SharedTrie
 
 DEPTH, K, MIN_PROB, MAX_TOKENS = 20, 16, 0.25, 1 << 16
@@ -53,16 +53,15 @@ SEGMENT = 8  # tokens one walk goes below a match; a longer proposal matches aga
 
 
 def most_frequent_path(at: list[tuple[CountTrie, int]], limit: int, min_prob: float,
-                       score: float = 1.0) -> tuple[list[int], float, list[float]]:
+                       score: float = 1.0) -> tuple[list[int], float]:
     """Greedy walk down from nodes (trie, node id) of several tries together, counts summed, at
     most `limit` tokens, while the product of count / total (from `score`) stays >= min_prob;
-    returns the tokens, the product and each token's count / (total + 1) (its share of what
-    followed, shrunk by how often anything did: once seen, 1/2; 3 times of 3, 3/4).
+    returns the tokens and the product.
 
     Example, children {7: 3, 9: 1}, then under 7: {4: 2, 5: 2}, min_prob 0.25:
         7 scores 3/4 = 0.75; then 4 (a tie with 5: the smaller id) 0.75 x 2/4 = 0.375 -> [7, 4, ...]
     """
-    out, shares = [], []
+    out = []
     while len(out) < limit:
         counts: dict[int, int] = {}
         for trie, node in at:
@@ -77,9 +76,8 @@ def most_frequent_path(at: list[tuple[CountTrie, int]], limit: int, min_prob: fl
         if score < min_prob:
             break
         out.append(best)
-        shares.append(counts[best] / (total + 1))
         at = [(trie, child) for trie, node in at if (child := trie.child(node, best)) is not None]
-    return out, score, shares
+    return out, score
 
 
 class SuffixDrafter(LookupDrafter):
@@ -126,8 +124,8 @@ class SuffixDrafter(LookupDrafter):
             trie = self._tries[req.index] = RequestTrie(self.depth)
         return trie
 
-    def find(self, req: Request, limit: int) -> tuple[list[int], list[float]]:
-        """(proposed tokens, each one's `match_confidence`) for one request; ([], []) without a match."""
+    def find(self, req: Request, limit: int) -> list[int]:
+        """The proposed tokens for one request; [] without a match."""
         tokens, own = req.token_ids, self.trie(req)
         shared = self.shared if req.params.greedy else None  # a sampled row reads its own tokens only
         own.extend(tokens)
@@ -144,23 +142,22 @@ class SuffixDrafter(LookupDrafter):
                 m, found = n, node
                 break
         if m == 0:
-            return [], []
+            return []
         if found is None and shared is not None:
             found = shared.find(tokens[len(tokens) - m:])
         at = [(own, own.active[m - 1])]  # (m <= D - 1 and <= len(tokens): the node exists)
         if found is not None:
             at.append((shared, found))
         cap = min(limit, MATCH_FACTOR * m)
-        out, score, shares = most_frequent_path(at, min(cap, segment), self.min_prob)
+        out, score = most_frequent_path(at, min(cap, segment), self.min_prob)
         while out and len(out) < cap and len(out) % segment == 0:  # a whole segment walked: match again
             at = self._rematch(tokens + out, own, shared, longest)
-            more, score, more_shares = most_frequent_path(at, min(cap - len(out), segment), self.min_prob, score)
+            more, score = most_frequent_path(at, min(cap - len(out), segment), self.min_prob, score)
             if not more:
                 break
             out += more
-            shares += more_shares
         out = cut_at_stop(out, req.stop_ids)
-        return out, match_confidence(shares[:len(out)], m)
+        return out
 
     @staticmethod
     def _rematch(tokens: list[int], own: CountTrie, shared: CountTrie | None, longest: int) -> list:
