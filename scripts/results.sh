@@ -6,36 +6,38 @@
 # Sourcing this file defines the functions below and runs nothing. The commands are the ones the
 # README's table shows, character for character; change both together. Timings are side by side
 # within a run (bench's step pairing), but run nothing else on the machine meanwhile.
-# On a 2-core CPU: bundled about 50 minutes (batch 1 with the transformers peers is most of it),
-# smollm2 about 35 minutes, once SmolLM2 is fetched (`batchspec models fetch smollm2-135m`).
+# On a 2-core CPU: bundled about 15 minutes, smollm2 about 40, once SmolLM2 is fetched
+# (`batchspec models fetch smollm2-135m`).
 
-# The bundled pair (batchspec/assets/default_pair): exactness, the default against plain decoding and
-# transformers (one run per batch size), `batchspec generate`'s own workload, the drafters on `echo`.
+# The bundled pair (batchspec/assets/default_pair): exactness; the default against every fixed γ and plain
+# decoding at 1, 8, 32 rows, and against plain decoding at 1-64 rows, with the twin; the policy on the
+# recorded traces (tests/traces/, made by `batchspec trace record`, see docs/scheduling.md).
 results_bundled() {
   batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,8,32 --num-prompts 32 --max-new-tokens 64 \
     --json docs/results/bundled_verify.json
-  for B in 1 8 32; do
-    batchspec bench --methods autoregressive,eqspec --batch-sizes "$B" --gamma 2,4 --drafters hybrid --adaptive off,on \
-      --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 --json "docs/results/bundled_bench_b$B.json"
-  done
-  batchspec bench --methods autoregressive,eqspec --batch-sizes 8 --gamma 4 --drafters hybrid --adaptive off,on \
-    --twin --num-prompts 8 --max-new-tokens 128 --repeat 5 --json docs/results/bundled_default.json
-  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
-    --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
-    --json docs/results/bundled_drafters_echo.json
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --gamma 1,2,4 --drafters hybrid \
+    --adaptive off,on --twin --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/bundled_bench.json
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --twin --num-prompts 64 \
+    --max-new-tokens 32 --repeat 3 --json docs/results/bundled_default.json
+  batchspec trace replay tests/traces/bundled_b1.json tests/traces/bundled_b8.json tests/traces/bundled_b32.json
 }
 
 # SmolLM2-135M-Instruct alone (no draft model: the default drafter runs its lookup part alone), prompts
-# through its chat template: exactness per drafter; plain decoding against transformers' generate and the
-# default against plain decoding with the twin, in one run; the model-free drafters on the grounded set.
+# through its chat template: exactness of every method with the default drafter; the default against every
+# fixed γ and plain decoding at 1, 8, 32 rows, and against plain decoding at 2, 4, 16, 64 rows, with the twin.
 results_smollm2() {
   batchspec verify --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec,exspec \
-    --batch-sizes 1,8,32 --drafter ngram --num-prompts 32 --max-new-tokens 32 --json docs/results/smollm2_verify_ngram.json
-  batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --peers hf --twin \
-    --batch-sizes 1,8,32 --num-prompts 32 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_default.json
-  batchspec bench --target smollm2-135m --chat --prompts grounded --methods autoregressive,eqspec \
-    --drafters ngram,suffix,hybrid --batch-sizes 1,8 --twin --num-prompts 16 --max-new-tokens 48 --repeat 2 \
-    --json docs/results/smollm2_drafters_grounded.json
+    --batch-sizes 1,8,32 --num-prompts 32 --max-new-tokens 32 --json docs/results/smollm2_verify.json
+  batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --batch-sizes 1,8,32 \
+    --gamma 1,2,4 --adaptive off,on --twin --num-prompts 32 --max-new-tokens 32 --repeat 2 \
+    --json docs/results/smollm2_bench.json
+  local mixed="${TMPDIR:-/tmp}/batchspec_chat_grounded.jsonl"  # 64 prompts, for 64 rows
+  cat batchspec/assets/chat.jsonl batchspec/assets/grounded.jsonl > "$mixed"
+  batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --batch-sizes 2,4 \
+    --twin --num-prompts 16 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_default_small.json
+  batchspec bench --target smollm2-135m --chat --prompts "$mixed" --methods autoregressive,eqspec --batch-sizes 16,64 \
+    --twin --num-prompts 64 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_default_large.json
+  batchspec trace replay tests/traces/smollm2_b1.json tests/traces/smollm2_b8.json tests/traces/smollm2_b32.json
 }
 
 results_main() {
