@@ -91,7 +91,7 @@ class SpecEngine:
         if cfg.speculative:
             self.drafter = make_drafter(cfg.drafter, draft_runner=self.draft_runner, device=self.device,
                                         vocab_size=pair.vocab_size, compute_reference=self._oracle_reference,
-                                        draft_window=cfg.draft_window, forward=cfg.forward)
+                                        draft_window=cfg.draft_window, forward=cfg.forward, target=pair.target)
             self.policy = self._policy()
 
     @classmethod

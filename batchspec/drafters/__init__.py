@@ -32,6 +32,7 @@ class BuildContext:
     compute_reference: Callable | None = None
     draft_window: int | None = None  # the draft model's window (drafters/model.py)
     forward: str = "auto"  # how the models run (EngineConfig.forward), for the drafter's step probe
+    target: Any = None  # the target model (an EAGLE head borrows its embeddings and LM head)
 
     def draft_model(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.draft_runner, self.draft_window, self.forward)
@@ -116,6 +117,22 @@ def _build_oracle(prob: float, ctx: BuildContext) -> Drafter:
                          ctx.vocab_size, ctx.device, cost, label, ctx.compute_reference)
 
 
+def _head_path(arg: str, spec: str) -> str:
+    if not arg:
+        raise ValueError(f"drafter {spec!r} needs a head: eagle:<dir>, a folder in the speculators, EAGLE-1 or EAGLE-3 "
+                         "layout (`batchspec train-draft --target T --out DIR` makes one)")
+    return arg
+
+
+def _build_eagle(path: str, ctx: BuildContext) -> Drafter:
+    from ..eagle.formats import load_head
+    from .eagle import EagleDrafter
+
+    if ctx.target is None:
+        raise ValueError("an EAGLE head needs the target model it drafts for")
+    return EagleDrafter(load_head(path, ctx.target), ctx.vocab_size)
+
+
 LOOKUPS = ("ngram", "suffix")  # the model-free drafters a hybrid can be built on
 
 
@@ -156,6 +173,9 @@ REGISTRY: dict[str, DrafterSpec] = {
                           f"{hybrid.LOOKUP} where it has a confident match, the draft model for the other rows "
                           f"where it pays (default hybrid:{hybrid.LOOKUP}); the lookup alone without a draft model",
                           _hybrid_args, _build_hybrid, "wanted"),
+    "eagle": DrafterSpec("eagle:<dir>", "an EAGLE draft head over the target's own hidden states (speculators, "
+                         "EAGLE-1 or EAGLE-3 layout; `batchspec train-draft` trains one)", _head_path, _build_eagle,
+                         "unused"),
     "oracle": DrafterSpec("oracle:<p>", "synthetic, knows the target's output: for overhead studies",
                           _oracle_prob, _build_oracle, "optional", synthetic=True),
 }
@@ -211,9 +231,10 @@ def split_drafters(text: str) -> list[str]:
 def make_drafter(spec: str, *, draft_runner, device, vocab_size: int,
                  references: MutableMapping[tuple[int, ...], list[int]] | None = None, seed: int = 0,
                  compute_reference: Callable | None = None, draft_window: int | None = None,
-                 forward: str = "auto") -> Drafter:
+                 forward: str = "auto", target=None) -> Drafter:
     _, args = parse_drafter(spec)
-    ctx = BuildContext(draft_runner, device, vocab_size, references, seed, compute_reference, draft_window, forward)
+    ctx = BuildContext(draft_runner, device, vocab_size, references, seed, compute_reference, draft_window, forward,
+                       target)
     return drafter_spec(spec).build(args, ctx)
 
 

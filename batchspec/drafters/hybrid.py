@@ -36,12 +36,16 @@ LOOKUP = "suffix"  # what `--drafter hybrid` is built on
 
 
 class HybridDrafter:
+    """`model`: the draft model's drafter, or any drafter whose rows cost a step (an EAGLE head:
+    drafters/eagle.py); one that reads the target's features (`features`) sees every row's,
+    whoever drafted it, since it drafts from them."""
+
     synthetic = False
-    features = None
 
     def __init__(self, model: DraftModelDrafter, lookup: LookupDrafter) -> None:
         self.model, self.lookup = model, lookup
-        self.label = "hybrid:" + lookup.label
+        self.features = model.features if model is not None else None
+        self.label = "hybrid:" + lookup.label + ("+" + model.label if self.features else "")
         self._model_rows: list[int] = []  # rows the draft model drafted for this round
 
     def step_probe(self, rows: int, context: int):
@@ -52,11 +56,13 @@ class HybridDrafter:
 
     def prefill(self, reqs: list[Request], ends: list[int], hidden=None) -> None:
         self.lookup.prefill(reqs, ends)  # the draft model catches up when it first drafts a row
+        if self.features:  # (a head drafts from the target's features: it takes them as they come)
+            self.model.prefill(reqs, ends, hidden)
 
     def propose(self, reqs: list[Request], lengths: list[int], uniforms: torch.Tensor | None,
                 sampling: BatchSampling) -> DraftProposal:
         found = self.lookup.lookups(reqs, lengths)
-        gamma, device = max(lengths), self.model.runner.device
+        gamma, device = max(lengths), self.model.device
         tokens = padded(found, gamma, 0, device, torch.long)
         rows = self._model_rows = [i for i, (f, n) in enumerate(zip(found, lengths)) if n > 0 and not f]
         out = [len(f) for f in found]
@@ -81,7 +87,9 @@ class HybridDrafter:
 
     def observe(self, reqs: list[Request], outcome: RoundOutcome) -> None:
         rows, self._model_rows = self._model_rows, []
-        if rows:
+        if self.features:
+            self.model.observe(reqs, outcome)
+        elif rows:
             self.model.observe([reqs[i] for i in rows],
                                RoundOutcome([outcome.accepted[i] for i in rows], [outcome.lengths[i] for i in rows]))
 

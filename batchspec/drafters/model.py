@@ -46,6 +46,10 @@ class DraftModelDrafter:
         self._unseen: list[int] = []  # what each row was fed first this round (what it had not seen)
         self._lengths: list[int] = []
 
+    @property
+    def device(self):
+        return self.runner.device
+
     def unseen(self, req: Request, end: int | None = None) -> int:
         """How many of `req`'s tokens before `end` (default: all) the draft model has not seen."""
         end = req.num_tokens if end is None else end
