@@ -6,7 +6,7 @@
 # Sourcing this file defines the functions below and runs nothing. The commands are the ones the
 # README's table shows, character for character; change both together. Timings are side by side
 # within a run (bench's step pairing), but run nothing else on the machine meanwhile.
-# On a 2-core CPU: bundled about 15 minutes, smollm2 about 40, once SmolLM2 is fetched
+# On a 2-core CPU: bundled about an hour, smollm2 about an hour, once SmolLM2 is fetched
 # (`batchspec models fetch smollm2-135m`).
 
 # The bundled pair (batchspec/assets/default_pair): exactness; the default against every fixed γ and plain
@@ -18,8 +18,17 @@ results_bundled() {
   batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --gamma 1,2,4 --drafters hybrid \
     --adaptive off,on --twin --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/bundled_bench.json
   batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --twin --num-prompts 64 \
-    --max-new-tokens 32 --repeat 3 --json docs/results/bundled_default.json
+    --max-new-tokens 32 --repeat 3 --json docs/results/bundled_sweep.json
   batchspec trace replay tests/traces/bundled_b1.json tests/traces/bundled_b8.json tests/traces/bundled_b32.json
+  for B in 1 8 32; do
+    batchspec bench --methods autoregressive,eqspec --batch-sizes "$B" --gamma 2,4 --drafters hybrid --adaptive off,on \
+      --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 --json "docs/results/bundled_bench_b$B.json"
+  done
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 8 --gamma 4 --drafters hybrid --adaptive off,on \
+    --twin --num-prompts 8 --max-new-tokens 128 --repeat 5 --json docs/results/bundled_generate.json
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --drafters draft_model,ngram,suffix,hybrid \
+    --adaptive on --twin --num-prompts 24 --max-new-tokens 64 --repeat 3 --gamma 8 --workload echo \
+    --json docs/results/bundled_drafters_echo.json
 }
 
 # SmolLM2-135M-Instruct alone (no draft model: the default drafter runs its lookup part alone), prompts
@@ -38,6 +47,11 @@ results_smollm2() {
   batchspec bench --target smollm2-135m --chat --prompts "$mixed" --methods autoregressive,eqspec --batch-sizes 16,64 \
     --twin --num-prompts 64 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_default_large.json
   batchspec trace replay tests/traces/smollm2_b1.json tests/traces/smollm2_b8.json tests/traces/smollm2_b32.json
+  batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --peers hf --twin \
+    --batch-sizes 1,8,32 --num-prompts 32 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_default.json
+  batchspec bench --target smollm2-135m --chat --prompts grounded --methods autoregressive,eqspec \
+    --drafters ngram,suffix,hybrid --batch-sizes 1,8 --twin --num-prompts 16 --max-new-tokens 48 --repeat 2 \
+    --json docs/results/smollm2_drafters_grounded.json
 }
 
 results_main() {
