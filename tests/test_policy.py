@@ -265,34 +265,23 @@ def test_costs_interpolate_and_follow_measurements():
     t = CostTable((1, 8), (1, 4), {(1, 1): 0.01, (1, 4): 0.011, (8, 1): 0.020, (8, 4): 0.032}, {1: 0.002, 8: 0.002})
     assert t.verify(8, 0, 0) == pytest.approx(0.020) and t.verify(8, 3, 24) == pytest.approx(0.032)
     assert t.verify(8, 1, 8) == pytest.approx(0.024) and t.verify(4, 0, 0) == pytest.approx(0.01 + 3 / 7 * 0.01)
-    for _ in range(200):  # speculative rounds twice as slow as their passes' price
-        t.correct("spec", t.verify(8, 3, 24), 2 * 0.032)
+    for _ in range(200):  # a machine twice as slow as profiled in verify passes
+        t.correct("verify", t.verify(8, 3, 24), 2 * 0.032)
         t.correct("draft", t.draft(8), 0.002)
     assert t.verify(8, 3, 24) == pytest.approx(0.064, rel=0.01) and t.draft(8) == pytest.approx(0.002)
-    assert t.verify(8, 0, 0) == pytest.approx(0.020)  # (plain rounds keep their own scale)
-    assert t.round_s(8)(24, [8, 8, 8]) == pytest.approx(3 * 0.002 + 0.064, rel=0.01)
-    assert t.round_s(8)(0, []) == pytest.approx(0.020)
 
 
 def test_the_policy_corrects_each_stage_by_what_it_took():
-    """`observe` corrects the table's draft stage, and the rest of speculative and of plain rounds,
-    apart: speculative rounds whose passes and host work take 1.3x the table's price and whose
-    draft steps take what it says; plain rounds at 0.9x; a round that prefilled corrects nothing."""
+    """`observe` corrects the table's draft and verify stages apart, from the round's plan: rounds
+    whose verify passes take 1.3x the table's price and whose draft steps take what it says."""
     policy = policy_at(0.6, table=table())
-    decision = Decision(8, [2] * 8, [True] * 8, True)
     for _ in range(300):
+        decision = policy.plan(fresh(8), [3] * 8, [None] * 8, [False] * 8)
         draft, verify = policy.predicted(decision, decision.lengths)
-        base = draft / policy.table.scale["draft"], verify / policy.table.scale["spec"]
+        base = draft / policy.table.scale["draft"], verify / policy.table.scale["verify"]
         policy.observe(decision, decision.lengths, [0] * 8, [False] * 8, base[0], 1.3 * base[1])
-        plain = policy.plain(8)
-        policy.observe(plain, [0] * 8, [0] * 8, [False] * 8, 0.0, 0.9 * policy.table.verify(8, 0, 0)
-                       / policy.table.scale["plain"])
-    assert policy.table.scale["spec"] == pytest.approx(1.3, rel=0.01)
-    assert policy.table.scale["plain"] == pytest.approx(0.9, rel=0.01)
+    assert policy.table.scale["verify"] == pytest.approx(1.3, rel=0.01)
     assert policy.table.scale["draft"] == pytest.approx(1.0)
-    before = dict(policy.table.scale)
-    policy.observe(decision, decision.lengths, [0] * 8, [False] * 8, 1.0, None)
-    assert policy.table.scale == before
 
 
 @st.composite

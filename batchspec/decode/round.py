@@ -100,6 +100,8 @@ def run_round(batch: list[Request], target, drafter, policy, gamma: int, timer, 
     target.commit(batch, [lead + 1 + a for lead, a in zip(leads, accepted)])  # (prompt,) newest, accepted drafts
     if drafter is not None and (any(planned) or features):
         drafter.observe(batch, RoundOutcome(accepted, lengths, hidden, leads if any(leads) else None))
+    if decision is not None:  # (a round whose pass also prefilled prompts corrects no price)
+        policy.observe(decision, lengths, accepted, looked, draft_s, None if any(leads) else verify_s)
     made = 0
     for req, a, row, n, lk in zip(batch, accepted, tokens, lengths, looked):
         made += req.append(row[: a + 1])
@@ -112,9 +114,6 @@ def run_round(batch: list[Request], target, drafter, policy, gamma: int, timer, 
             stats.drafted += n
             stats.accepted += a
     elapsed = time.perf_counter() - started
-    if drafter is not None:  # the policy learns the round, and corrects its prices by what it took
-        policy.observe(decision or policy.plain(b), lengths, accepted, looked, draft_s,
-                       None if any(leads) else elapsed - draft_s)
     stats.rounds += 1
     stats.row_rounds += b
     stats.emitted += made

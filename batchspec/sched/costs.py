@@ -14,13 +14,9 @@ V and D are interpolated linearly between the profiled rows (and extrapolated fr
 and piecewise linearly between columns: on a CPU two tokens a row already cost most of what four
 do (matrix-vector against matrix-matrix kernels). The one online correction: each stage's
 measured seconds over its predicted ones, an exponential average (weight CORRECTION per round)
-kept per stage: the draft stage, and the rest of a round (its verify pass and all the host work
-around it) apart for plain and speculative rounds, whose host work differs (lookups, proposals,
-ragged bookkeeping: on the bundled pair at 32 rows that made speculative rounds 1.2x their
-passes' price, and a plan priced by the passes alone ran 5 % slower than plain decoding). The
-table's shape stays as measured while its level follows the machine: a machine slowed alike
-everywhere changes no decision (every candidate's time scales together). A kind of round never
-run keeps scale 1 until it runs, so a scale that makes one kind look dear gets the other tried.
+kept per stage (draft, verify), so the table's shape stays as measured while its level follows
+the machine. A machine slowed alike in both stages changes no decision (every candidate's time
+scales together); one that slows a stage more moves only that stage's price.
 
 Example, b = 8: V(8, 1) = 20 ms, V(8, 5) = 36 ms, s = 0.5 ms, D(8) = 2 ms. Rows verifying
 [4, 4, 0, 0, 0, 0, 0, 0] drafts by a model: draft 4 x D(2) (D interpolated to 2 rows), verify
@@ -52,7 +48,7 @@ class CostTable:
     verify_s: dict[tuple[int, int], float]  # (rows, tokens per row) -> seconds of a target pass
     draft_s: dict[int, float]  # rows -> seconds of one draft step; empty: drafting costs no step
     token_s: float = 0.0  # s above
-    scale: dict[str, float] = field(default_factory=lambda: {"draft": 1.0, "plain": 1.0, "spec": 1.0})
+    scale: dict[str, float] = field(default_factory=lambda: {"draft": 1.0, "verify": 1.0})
     _by_rows: dict = field(default_factory=dict, repr=False, compare=False)  # b -> V(b, c) per column
 
     def _columns(self, b: int) -> list[float]:
@@ -66,7 +62,7 @@ class CostTable:
         """A pass over b rows verifying `total` drafts, the widest row `deepest` of them."""
         at = self._columns(b)
         full = _lerp(1 + deepest, list(self.cols), at)
-        return self.scale["spec" if deepest else "plain"] * max(at[0], full - self.token_s * (b * deepest - total))
+        return self.scale["verify"] * max(at[0], full - self.token_s * (b * deepest - total))
 
     def draft(self, rows: float) -> float:
         """One draft step over `rows` rows (0 rows: no step)."""
@@ -83,19 +79,17 @@ class CostTable:
         steps = [self.draft(n) for n in range(b + 1)]
         at = self._columns(b)
         full = [_lerp(1 + d, list(self.cols), at) for d in range(len(self.cols) + 1)]
-        plain, spec, floor, save = self.scale["plain"], self.scale["spec"], at[0], self.token_s
+        scale, floor, save = self.scale["verify"], at[0], self.token_s
 
         def seconds(total: int, fed: list[float]) -> float:
             d = len(fed)
             verify = full[d] if d < len(full) else _lerp(1 + d, list(self.cols), at)
-            passes = (spec if d else plain) * max(floor, verify - save * (b * d - total))
-            return sum(steps[int(n)] for n in fed) + passes
+            return sum(steps[int(n)] for n in fed) + scale * max(floor, verify - save * (b * d - total))
 
         return seconds
 
     def correct(self, stage: str, predicted: float, measured: float) -> None:
-        """Move a stage's scale ("draft", "plain", "spec") toward measured / predicted, where
-        `predicted` was priced with the scale now (one round's worth: CORRECTION)."""
+        """Move a stage's scale toward measured / predicted (one round's worth: CORRECTION)."""
         if predicted > 0 and measured > 0:
             self.scale[stage] *= (measured / predicted) ** CORRECTION
 

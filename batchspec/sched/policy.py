@@ -151,16 +151,11 @@ class SpecPolicy:
             max(decision.lengths, default=0))]
         return sum(map(self.table.draft, fed)), self.table.verify(decision.rows, depth, sum(lengths))
 
-    def plain(self, rows: int) -> Decision:
-        """A plain round's decision (the round skipped the plan: nothing could pay)."""
-        return Decision(rows, [0] * rows, [False] * rows, self.table is not None)
-
     def observe(self, decision: Decision, lengths: list[int], accepted: list[int], looked: list[bool],
-                draft_s: float, rest_s: float | None) -> None:
+                draft_s: float, verify_s: float | None) -> None:
         """A round verified lengths[i] drafts of row i and accepted accepted[i]: the pair's records
-        learn it (each request's own record is kept by the round), and the table is corrected by
-        what the round took: its draft stage, and the rest of it (`rest_s`: the verify pass and the
-        host work around it; None for a round whose pass also prefilled prompts)."""
+        learn it (each request's own record is kept by the round), and the table's stages are
+        corrected by what they took (verify_s None: a pass that also prefilled, no measure)."""
         for n, a, lk in zip(lengths, accepted, looked):
             if n:
                 rec = self.pair.get(lk)
@@ -169,7 +164,7 @@ class SpecPolicy:
                 rec.add(a, n)
         if any(lengths):
             self._age += 1
-        if self.table is not None and rest_s is not None:
+        if self.table is not None and verify_s is not None:
             draft, verify = self.predicted(decision, lengths)
             self.table.correct("draft", draft, draft_s)
-            self.table.correct("spec" if any(lengths) else "plain", verify, rest_s)
+            self.table.correct("verify", verify, verify_s)
