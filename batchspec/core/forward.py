@@ -23,6 +23,12 @@ Inputs (as `core.runner.ModelRunner.feed` builds them), for b rows fed n columns
     select     None: logits for every fed column [b, n, V]; a LongTensor [b]: one column per row
                [b, V]; a LongTensor [b, k]: k columns per row [b, k, V] (a round whose rows include
                prompts: each row's last columns); False: no logits (prefill)
+    hidden     None (plain rounds: nothing else is computed or kept), or a tuple of hidden-state
+               indices in HF's `output_hidden_states` numbering (i < L: the input of decoder layer
+               i, 0 the embeddings; L: the last layer's output after the final norm): the call then
+               returns (logits, features [b, n, len(hidden) * H]), the states side by side in the
+               order given, at every fed column (padding columns: garbage), whatever `select` says.
+               EAGLE-1 heads read (L,), EAGLE-3 heads (2, L // 2, L - 3) (batchspec/eagle/head.py).
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ class HFForward:
         self.model = model
         self.cache_arg = cache_arg(model)
 
-    def __call__(self, ids, positions, kv, visible, select=None) -> torch.Tensor | None:
+    def __call__(self, ids, positions, kv, visible, select=None, hidden=None):
         # transformers takes a prepared 4-D mask as it is; an additive float mask suits eager and sdpa alike
         dtype = self.model.dtype
         if visible is None:
@@ -77,8 +83,19 @@ class HFForward:
         mask = {k: additive(v) for k, v in visible.items()} if isinstance(visible, dict) else additive(visible)
         with torch.no_grad(), attention_kernels(ids.device):
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                             use_cache=True, **{self.cache_arg: kv}, logits_to_keep=1 if select is False else 0)
-        return _select(out.logits, select)
+                             use_cache=True, **{self.cache_arg: kv}, logits_to_keep=1 if select is False else 0,
+                             output_hidden_states=hidden is not None)
+        if hidden is None:
+            return _select(out.logits, select)
+        states = out.hidden_states  # L + 1: the input of each layer, then the final normed state
+        _check_layers(hidden, len(states) - 1)
+        return _select(out.logits, select), torch.cat([states[i] for i in hidden], dim=-1)
+
+
+def _check_layers(hidden: tuple[int, ...], layers: int) -> None:
+    if not hidden or any(not 0 <= i <= layers for i in hidden):
+        raise ValueError(f"hidden-state indices must be within 0..{layers} (the model has {layers} layers), "
+                         f"got {tuple(hidden)}")
 
 
 def attention_kernels(device: torch.device):
@@ -296,16 +313,32 @@ class LeanForward:
         half = x.shape[-1] // 2
         return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
-    def __call__(self, ids, positions, kv, visible, select=None) -> torch.Tensor | None:
+    def __call__(self, ids, positions, kv, visible, select=None, hidden=None):
         if self.stale():
             self._build()
+        grab = None
+        if hidden is not None:
+            _check_layers(hidden, len(self.layers))
+            grab = dict.fromkeys(hidden)  # index -> its state: [B, n, H] (padded) or [C, H] (packed)
         with torch.no_grad(), attention_kernels(ids.device):
-            return self._forward(ids, positions, kv, visible, select)
+            out = self._forward(ids, positions, kv, visible, select, grab)
+            if grab is None:
+                return out
+            return out, self._features(grab, hidden, ids.shape, getattr(kv, "packed", None))
 
-    def _forward(self, ids, positions, kv, visible, select) -> torch.Tensor | None:
+    def _features(self, grab: dict, hidden: tuple[int, ...], shape, packed) -> torch.Tensor:
+        """The grabbed states side by side [B, n, len(hidden) * H] (packed ones scattered back)."""
+        x = torch.cat([grab[i] for i in hidden], dim=-1)
+        if packed is None:
+            return x
+        out = x.new_zeros(shape[0] * shape[1], x.shape[-1])
+        out[packed] = x
+        return out.view(shape[0], shape[1], -1)
+
+    def _forward(self, ids, positions, kv, visible, select, grab=None) -> torch.Tensor | None:
         packed = getattr(kv, "packed", None)
         if packed is not None:
-            return self._forward_packed(ids, positions, kv, visible, select, packed)
+            return self._forward_packed(ids, positions, kv, visible, select, packed, grab)
         batch, n = ids.shape
         x = F.embedding(ids, self.embed)  # [B, n, hidden]
         cos, sin = self._rope(positions, kv.width + n, x.dtype)  # positions < T + n (padding columns included)
@@ -316,6 +349,8 @@ class LeanForward:
         masks = self._row_masks(kv, visible) if real is not None else None
         copy_act = batch * n < VIEW_ROWS  # (see `matmul`)
         for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):
+            if grab is not None and index in grab:  # (EAGLE features: the inputs of the layers asked for)
+                grab[index] = x
             q, k, v = self._qkv(qkv(ln1(x)), q_norm, k_norm, cos, sin)  # [B, n, heads, head_dim] each
             if real is None:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, n, head_dim]
@@ -329,6 +364,8 @@ class LeanForward:
             x = x + _linear(a.reshape(batch, n, -1), o_proj, self.plan, contiguous=False)
             gate, up = gate_up(ln2(x), contiguous=copy_act).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, down, self.plan, contiguous=False)
+        if grab is not None and len(self.layers) in grab:
+            grab[len(self.layers)] = self.norm(x)
         if select is False:
             return None
         if select is not None and select.dim() == 2:  # [B, k] columns -> [B, k, hidden]
@@ -459,7 +496,7 @@ class LeanForward:
         q, k, v = out.split(heads, dim=-2)
         return self._rotate(q_norm(q), cos, sin), self._rotate(k_norm(k), cos, sin), v
 
-    def _forward_packed(self, ids, positions, kv, visible, select, packed) -> torch.Tensor | None:
+    def _forward_packed(self, ids, positions, kv, visible, select, packed, grab=None) -> torch.Tensor | None:
         """The same arithmetic on the real tokens only: every projection, norm and the head run on
         [C, hidden] (C = real tokens, `packed` their flat indices into [B, n]); attention alone
         works on the padded [B, heads, n, D] layout, the queries scattered into it and the outputs
@@ -477,6 +514,8 @@ class LeanForward:
         masks = self._row_masks(kv, visible) if by_row else None
         copy_act = packed.numel() < VIEW_ROWS  # (see `matmul`)
         for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):
+            if grab is not None and index in grab:  # (EAGLE features: the inputs of the layers asked for)
+                grab[index] = x
             q, k, v = self._qkv(qkv(ln1(x)), q_norm, k_norm, cos, sin)  # [C, heads, head_dim]
             kv.write_packed(index, k, v)
             if by_row:
@@ -492,6 +531,8 @@ class LeanForward:
                                 contiguous=False)
             gate, up = gate_up(ln2(x), contiguous=copy_act).chunk(2, dim=-1)
             x = x + _linear(F.silu(gate) * up, down, self.plan, contiguous=False)
+        if grab is not None and len(self.layers) in grab:
+            grab[len(self.layers)] = self.norm(x)
         if select is False:
             return None
         if select is not None:  # row i's column(s) select[i] -> their places among the real tokens

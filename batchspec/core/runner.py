@@ -108,7 +108,8 @@ class ModelRunner:
         self.debug = debug
 
     # ----------------------------------------------------------------------------- rounds
-    def feed(self, reqs: list[Request], ids: torch.Tensor, counts: list[int], logits: str | list[int] = "all"):
+    def feed(self, reqs: list[Request], ids: torch.Tensor, counts: list[int], logits: str | list[int] = "all",
+             hidden: tuple[int, ...] | None = None):
         """Feed row i the tokens ids[i, :counts[i]] ([b, n], the rest padding) after what it holds.
 
         `reqs` are ordered by slot. Returns logits over the real vocabulary: "all" -> [b, n, V],
@@ -118,6 +119,12 @@ class ModelRunner:
 
         Example, counts [4, 2], tail [2, 1]: row 0's columns 2, 3; row 1's column 1 (and any
         column after it: padding the caller ignores).
+
+        `hidden` (EAGLE heads, `Drafter.features`): hidden-state indices, HF's numbering (i < L: the
+        input of decoder layer i; L: the final normed state). Then feed returns (logits as above,
+        features [b, n, len(hidden) * H]): row i's states at its fed columns 0..counts[i]-1 (the
+        ids' own layout; the rest padding), the indices' states side by side in the order given.
+        Computed only when asked: a plain feed runs exactly as before.
         """
         if self._probe.dtype != self.dtype or self._probe.device != self.device:
             raise RuntimeError(f"the {self.name} model was moved to {self._probe.device}/{self._probe.dtype} after "
@@ -160,10 +167,20 @@ class ModelRunner:
             by_slot = {r.slot: r.index in self.long_rows for r in reqs}
             rows_long = [by_slot.get(s, False) for s in row_slots]
         with rope_rows(self.model, rows_long):
-            out = self.forward(full_ids, positions, batch, visible, select=False if logits == "none" else select)
+            args = (full_ids, positions, batch, visible)
+            select = False if logits == "none" else select
+            out = self.forward(*args, select=select) if hidden is None else \
+                self.forward(*args, select=select, hidden=tuple(hidden))
         self.stats.forwards += 1
         for r, c in zip(reqs, counts):
             self.fed[r.index] = self.fed.get(r.index, 0) + c
+        if hidden is not None:
+            out, states = out
+            states = states if index is None else states[index]
+            return (self._logits(out, index), states)
+        return self._logits(out, index)
+
+    def _logits(self, out: torch.Tensor | None, index: torch.Tensor | None) -> torch.Tensor | None:
         if out is None:
             return None
         out = out[..., : self.vocab_size]

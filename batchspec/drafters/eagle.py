@@ -1,0 +1,240 @@
+"""Drafting with an EAGLE head (batchspec/eagle/head.py) from the target's own hidden states.
+
+Each request owns a row of the head's KV (`HeadKV`, its own buffer, rows by request). Entry p of
+a row pairs the token x_p with the target's feature f_{p-1}; `req.kv_len["eagle"]` counts the
+entries committed, all of them from real features. A row starts at the first position whose
+feature the drafter was given (`_Row.base`): entry column k holds (x_{base+k+1}, f_{base+k}).
+
+A round, for a row whose newest token is x_T (the target holds x_0..x_{T-1}):
+    propose   feeds the entries the row has not entered (tokens up to x_T, features up to f_{T-1},
+              all known from earlier passes) and commits them; their last output drafts d_1; then
+              each d_j is entered with the head's own output as its feature (beyond the committed
+              length: never committed) and drafts d_{j+1}. d_g is never entered.
+    observe   the verify pass's features of x_T and the accepted drafts d_1..d_a (positions T..T+a)
+              become pending; those of rejected drafts are dropped, and the draft entries written
+              past the committed length are overwritten by the next round.
+So rejection is a length that does not move, and no entry is ever written from a drafted feature
+and kept. Features arrive in order: positions a row gets must follow what it holds; a gap (a
+round whose features the drafter was not given) restarts the row from the new features.
+
+Sampling: q is the head's softmax after the row's temperature / top-k / top-p (`probabilities`),
+over the target vocabulary; a reduced draft vocabulary scatters its logits into it, -inf (q = 0)
+elsewhere. Greedy rows take the argmax.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..core.request import Request
+from ..eagle.head import EagleHead
+from ..sampling import BatchSampling, probabilities, sample
+from .base import DraftProposal, RoundOutcome
+
+
+@dataclass
+class _Row:
+    slot: int  # its row in the head's KV buffer
+    base: int  # position of the first feature the row holds (its entry 0 is x_{base+1})
+    pending: torch.Tensor  # [k, F] features of positions base + committed .. (not entered yet)
+    tail: torch.Tensor | None = None  # [1, F] the feature of the last committed entry (to enter it again)
+
+
+class EagleDrafter:
+    label = "eagle"
+    synthetic = False
+    name = "eagle"  # its key in `Request.kv_len`
+
+    def __init__(self, head: EagleHead, vocab_size: int) -> None:
+        if head.embed is None:
+            raise ValueError("attach the head to its target before drafting with it (head.attach(target))")
+        self.head, self.vocab_size = head.eval(), vocab_size
+        self.features: tuple[int, ...] = tuple(head.spec.layers)
+        self.device = head.q_proj.weight.device
+        self.kv = head.new_kv(rows=8, capacity=256)
+        self.state: dict[int, _Row] = {}  # request index -> its row
+        self.free: list[int] = []
+        self._newest: dict[int, int] = {}  # request index -> T, its newest token's position, at propose
+
+    # ----------------------------------------------------------------------------- rows
+    def _committed(self, req: Request) -> int:
+        return req.kv_len.get(self.name, 0)
+
+    def _have(self, req: Request) -> int | None:
+        """The first position whose feature the row lacks (None: no row)."""
+        row = self.state.get(req.index)
+        return None if row is None else row.base + self._committed(req) + row.pending.shape[0]
+
+    def _add(self, req: Request, start: int, feats: torch.Tensor) -> None:
+        """The target's features of positions start.. ([m, F]) for req's row."""
+        feats = feats.detach().to(self.device)
+        have = self._have(req)
+        if have is not None and start <= have:  # follows what the row holds (overlap: kept once)
+            row = self.state[req.index]
+            row.pending = torch.cat([row.pending, feats[have - start:]])
+            return
+        row = self.state.get(req.index)
+        if row is None:
+            slot = self.free.pop() if self.free else len(self.state) + len(self.free)
+            row = self.state[req.index] = _Row(slot, start, feats)
+        else:  # a gap: start the row again from these features
+            row.base, row.pending, row.tail = start, feats, None
+        req.kv_len[self.name] = 0
+
+    def _enter(self, reqs: list[Request], upto: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each row its pending entries up to position upto[i] (at least one: the last
+        committed entry again when none is pending) and commit them. Returns the last entry's
+        (logits [b, V_draft], output [b, H]) per row."""
+        rows, tokens, feats, starts, counts = [], [], [], [], []
+        for r, end in zip(reqs, upto):
+            row = self.state[r.index]
+            c = self._committed(r)
+            k = min(row.pending.shape[0], end - row.base - c)  # entries c.. up to position `end`
+            if k <= 0 and row.tail is None:
+                raise RuntimeError(f"eagle: request {r.index} has nothing to enter")
+            if k <= 0:  # everything is entered: enter the last entry again for its output
+                c -= 1
+                r.kv_len[self.name] = c
+                row.pending = torch.cat([row.tail, row.pending])
+                k = 1
+            first = row.base + c + 1  # position of the first token entered
+            rows.append(row.slot)
+            tokens.append(r.token_ids[first:first + k])
+            feats.append(row.pending[:k])
+            starts.append(c)
+            counts.append(k)
+        n = max(counts)
+        ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], dtype=torch.long, device=self.device)
+        hidden = torch.stack([torch.cat([f, f.new_zeros(n - f.shape[0], f.shape[1])]) for f in feats])
+        with torch.no_grad():
+            logits, out = self.head.step(self.kv, rows, ids, hidden, starts, counts)
+        last = torch.tensor(counts, device=self.device) - 1
+        at = torch.arange(len(reqs), device=self.device)
+        for r, k in zip(reqs, counts):
+            row = self.state[r.index]
+            row.tail = row.pending[k - 1:k]
+            row.pending = row.pending[k:]
+            r.kv_len[self.name] = self._committed(r) + k
+        return logits[at, last], out[at, last]
+
+    # ----------------------------------------------------------------------------- protocol
+    def step_probe(self, rows: int, context: int = 256) -> Callable[[], float]:
+        """One draft step of `rows` rows at `context` committed entries each (a scratch buffer)."""
+        kv = self.head.new_kv(rows=rows, capacity=context + 1)
+        ids = torch.zeros(rows, 1, dtype=torch.long, device=self.device)
+        hidden = torch.zeros(rows, 1, self.head.config.hidden_size, device=self.device, dtype=kv.data.dtype)
+
+        def probe() -> float:
+            started = time.perf_counter()
+            with torch.no_grad():
+                logits, _ = self.head.step(kv, list(range(rows)), ids, hidden, [context] * rows)
+                logits.sum().item()  # (waits for the device)
+            return time.perf_counter() - started
+        return probe
+
+    def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
+        return [None] * len(reqs)  # every row is drafted by a head step
+
+    def prefill(self, reqs: list[Request], ends: list[int], hidden: torch.Tensor | None = None,
+                counts: list[int] | None = None) -> None:
+        """`hidden` [b, n, F]: the target's features of the chunk's fed columns, row i's first
+        (left-aligned, as `ModelRunner.feed` returns them); row i's chunk is tokens [ends[i] -
+        counts[i], ends[i]) or, without counts, from where the row's features end (0 for a new
+        row) to ends[i]. The entries whose tokens are known are entered at once."""
+        if hidden is None:
+            return  # (a row given no features restarts at its first verify pass)
+        for i, (r, end) in enumerate(zip(reqs, ends)):
+            start = end - counts[i] if counts is not None else (self._have(r) or 0)
+            if counts is None and end <= start:
+                continue  # (a chunk it holds already, fed again: pass counts to say where it starts)
+            if not 0 <= end - start <= hidden.shape[1]:
+                raise ValueError(f"eagle prefill: request {r.index}'s chunk [{start}, {end}) does not fit the "
+                                 f"{hidden.shape[1]} columns given; pass counts")
+            self._add(r, start, hidden[i, :end - start])
+        ready = [(r, r.num_tokens - 1) for r in reqs if r.index in self.state]
+        ready = [(r, u) for r, u in ready if self.state[r.index].pending.shape[0]
+                 and u > self.state[r.index].base + self._committed(r)]
+        if ready:
+            self._enter([r for r, _ in ready], [u for _, u in ready])
+
+    def propose(self, reqs: list[Request], lengths: list[int], uniforms: torch.Tensor | None,
+                sampling: BatchSampling) -> DraftProposal:
+        """Draft lengths[i] tokens for row i; a row without the features of its newest positions
+        (never prefilled with features, or a round it missed) drafts none this round."""
+        b, g = len(reqs), max(lengths, default=0)
+        asked, lengths = list(lengths), list(lengths)
+        for i, r in enumerate(reqs):
+            newest = r.num_tokens - 1
+            if lengths[i] > 0 and (self._have(r) or -1) < newest:
+                lengths[i] = 0  # its newest entry's feature is unknown
+            if lengths[i] > 0:
+                self._newest[r.index] = newest
+        tokens = torch.zeros(b, g, dtype=torch.long, device=self.device)
+        probs = None if sampling.all_greedy else torch.zeros(b, g, self.vocab_size, device=self.device)
+        live = [i for i in range(b) if lengths[i] > 0]
+        if live:
+            logits, out = self._enter([reqs[i] for i in live], [reqs[i].num_tokens - 1 for i in live])
+            columns = [self._committed(reqs[i]) for i in live]
+            for j in range(g):
+                if j > 0:
+                    live_j = [k for k, i in enumerate(live) if lengths[i] > j]
+                    ids = tokens[[live[k] for k in live_j], j - 1][:, None]
+                    with torch.no_grad():
+                        step_logits, step_out = self.head.step(
+                            self.kv, [self.state[reqs[live[k]].index].slot for k in live_j], ids,
+                            out[live_j][:, None], [columns[k] + j - 1 for k in live_j])
+                    logits, out = logits.clone(), out.clone()
+                    logits[live_j], out[live_j] = step_logits[:, 0], step_out[:, 0]
+                self._draft(j, live, logits, tokens, probs, uniforms, sampling)
+        return DraftProposal(tokens, probs, lengths=lengths if lengths != asked else None)
+
+    def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [b, V_draft] -> over the target vocabulary [b, V], -inf outside the draft's."""
+        ids = self.head.target_ids
+        if ids is None:
+            return logits[:, : self.vocab_size].float()
+        full = logits.new_full((logits.shape[0], max(self.vocab_size, int(ids.max()) + 1)), float("-inf")).float()
+        full[:, ids] = logits.float()
+        return full[:, : self.vocab_size]
+
+    def _draft(self, j: int, live: list[int], logits: torch.Tensor, tokens: torch.Tensor, probs, uniforms,
+               sampling: BatchSampling) -> None:
+        """Draft token j of the live rows from their logits [len(live), V_draft]."""
+        full = torch.full((tokens.shape[0], self.vocab_size), float("-inf"), device=self.device)
+        full[live] = self._target_logits(logits)
+        if probs is None:
+            tokens[live, j] = full[live].argmax(-1)
+            return
+        idle = sorted(set(range(tokens.shape[0])) - set(live))
+        full[idle, 0] = 0.0  # (rows not drafting: any finite row)
+        q = probabilities(full[:, None], sampling)[:, 0]  # [B, V]
+        token = sample(q, uniforms[:, j])
+        tokens[live, j] = token[live]
+        probs[live, j] = q[live]
+
+    def observe(self, reqs: list[Request], outcome: RoundOutcome) -> None:
+        """Keep the features of each row's verified columns up to its last accepted one. Called
+        before the round's tokens are appended to the requests (a row that drafted this round uses
+        the newest position `propose` saw; others, req.num_tokens - 1)."""
+        newest, self._newest = self._newest, {}
+        if outcome.hidden is None:
+            return
+        leads = outcome.leads or [0] * len(reqs)
+        for i, r in enumerate(reqs):
+            t = newest.get(r.index, r.num_tokens - 1)
+            keep = leads[i] + 1 + outcome.accepted[i]  # (prompt columns,) newest, accepted drafts
+            self._add(r, t - leads[i], outcome.hidden[i, :keep])
+
+    def release(self, req: Request) -> None:
+        row = self.state.pop(req.index, None)
+        if row is not None:
+            self.free.append(row.slot)
+        self._newest.pop(req.index, None)
+        req.kv_len.pop(self.name, None)
+
+    def forget(self) -> None:
+        pass  # nothing is learned across requests

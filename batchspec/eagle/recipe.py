@@ -1,0 +1,194 @@
+"""`batchspec train-draft` as a library call: collect data, choose the vocabulary, train, report.
+
+Folder layout of a run (`out`):
+    data.pt          the recorded sequences (train and held-out) and the vocabulary order
+    checkpoint.pt    head + optimiser + schedule (`Trainer.save`), every few minutes
+    config.json, model.safetensors   the head in vLLM speculators' layout (`formats.save_head`)
+    report.json      held-out agreement, expected accepted length, vocabulary coverage, timings
+
+The time budget (`minutes`) is split: data collection stops at `data_share` of it (after at least
+the greedy pass over the prompts), training gets the rest less a minute for the report.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .data import Sequence, coverage, read, read_texts, record, vocab_by_frequency
+from .head import new_head
+from .train import TrainConfig, Trainer, evaluate
+
+NAMED = ("bundled", "chat", "grounded")  # prompt sets (batchspec/assets); bundled is plain completion
+# `self:N`: N questions the target writes itself (sampled), one per topic in turn, then answers
+TOPICS = ("cooking", "gardening", "personal finance", "ancient history", "astronomy", "chemistry", "physics",
+          "biology", "geography", "travel planning", "fitness", "nutrition", "sleep", "mental health",
+          "programming in Python", "web development", "databases", "computer networks", "machine learning",
+          "mathematics", "statistics", "music", "painting", "photography", "film", "literature", "poetry",
+          "philosophy", "economics", "politics", "law", "climate", "renewable energy", "cars", "bicycles",
+          "pets", "wild animals", "oceans", "weather", "languages", "grammar", "writing emails", "job interviews",
+          "careers", "parenting", "education", "study tips", "productivity", "home repair", "fashion",
+          "sports", "board games", "video games", "space exploration", "medicine", "first aid", "psychology",
+          "sociology", "architecture", "engineering", "electronics", "smartphones", "internet safety",
+          "cryptography", "world religions", "mythology", "famous scientists", "inventions", "festivals",
+          "recipes", "baking", "coffee and tea", "hiking", "camping", "minimalism", "budget travel",
+          "public speaking", "negotiation", "friendship", "time management", "the human body", "plants")
+QUESTION = "Write one question that someone might ask an AI assistant about {}. Reply with the question only."
+
+
+@dataclass
+class Recipe:
+    target: str | None = None
+    out: str = "eagle-head"
+    data: str = "chat,grounded,bundled"  # comma-separated: named prompt sets or JSONL files
+    minutes: float = 40.0
+    kind: str = "eagle"
+    draft_vocab: int | None = 8192  # None or >= vocab: the full vocabulary
+    resume: bool = False
+    holdout: int = 8  # prompts held out of each set (the last ones), answered greedily for the report
+    samples: int = 4  # answers per training prompt: 1 greedy, the rest sampled at `temperature`
+    temperature: float = 0.8
+    max_new_tokens: int = 192
+    data_share: float = 0.3
+    batch: int = 16  # rows generated at once
+    ttt: int = 1
+    lr: float = 1e-3
+    freeze_lm_head: bool = False
+    steps: int | None = None  # training steps (None: as many as the time left allows, measured)
+    seed: int = 0
+    dtype: str | None = None
+    device: str | None = None
+
+
+def _sources(recipe: Recipe, tokenizer) -> tuple[list[tuple[list[list[int]], int]], list[list[int]], int, list]:
+    """(per source: (prompt ids, how many are held out)), teacher-forced text ids, how many
+    questions the target writes itself (`self:N`), earlier runs' data.pt files."""
+    from ..prompts import chat_token_ids, load_prompts
+
+    chat = getattr(tokenizer, "chat_template", None) is not None
+    sets, texts, own, earlier = [], [], 0, []
+    for name in [s.strip() for s in recipe.data.split(",") if s.strip()]:
+        if name.startswith("self:") and name[5:].isdigit():
+            own += int(name[5:])
+            continue
+        if name.endswith(".pt") and Path(name).is_file():
+            earlier.append(name)
+            continue
+        if name in NAMED:
+            prompts = load_prompts(name)
+            use_chat = chat and name != "bundled"
+        else:
+            if not Path(name).is_file():
+                raise ValueError(f"--data {name!r} is neither a prompt set ({', '.join(NAMED)}), self:N, an "
+                             "earlier run's data.pt nor a JSONL file")
+            prompts, rows = read_texts(name)
+            texts += [tokenizer(t)["input_ids"] for t in rows]
+            use_chat = chat
+        if prompts:
+            ids = chat_token_ids(tokenizer, prompts) if use_chat else [tokenizer(p)["input_ids"] for p in prompts]
+            sets.append((ids, min(recipe.holdout, len(ids) // 4)))
+    if not sets and not texts and not own and not earlier:
+        raise ValueError(f"--data {recipe.data!r} names no prompts or texts")
+    return sets, texts, own, earlier
+
+
+def own_questions(recipe: Recipe, pair, count: int, deadline: float, tick=None) -> list[list[int]]:
+    """`count` chat prompts the target writes itself: a question about each topic in turn, sampled."""
+    from ..prompts import chat_token_ids
+
+    tok = pair.tokenizer
+    if getattr(tok, "chat_template", None) is None:
+        raise ValueError("self:N needs a chat model (its tokenizer has no chat template)")
+    asks = chat_token_ids(tok, [QUESTION.format(TOPICS[i % len(TOPICS)]) for i in range(count)])
+    layers = (pair.target.config.get_text_config().num_hidden_layers,)
+    seqs = record(pair.target, asks, layers, max_new=48, temperature=1.0, seed=recipe.seed + 7,
+                  stop_ids=pair.eos_token_ids, batch=recipe.batch, progress=tick, deadline=deadline)
+    texts = [tok.decode(s.tokens[s.start:], skip_special_tokens=True).strip() for s in seqs]
+    texts = list(dict.fromkeys(t for t in texts if 10 <= len(t) <= 400))
+    return chat_token_ids(tok, texts)
+
+
+def collect(recipe: Recipe, pair, deadline: float, log: Callable[[str], None],
+            tick: Callable[[int], None] | None = None) -> tuple[list[Sequence], list[Sequence]]:
+    """(train, held-out) sequences: the held-out prompts answered greedily, the others greedily and
+    then sampled (seeds 1, 2, ...) while time remains, and the texts read teacher-forced."""
+    target, tok = pair.target, pair.tokenizer
+    head_layers = new_head(target, recipe.kind).spec.layers
+    sets, texts, own, earlier = _sources(recipe, tok)
+    held = [p for ids, k in sets for p in ids[len(ids) - k:]]
+    train_prompts = [p for ids, k in sets for p in ids[:len(ids) - k]]
+    kw = dict(max_new=recipe.max_new_tokens, stop_ids=pair.eos_token_ids, batch=recipe.batch, progress=tick)
+    started = time.perf_counter()
+    train, evals = [], []
+    for path in earlier:  # (recorded for a head reading the same layers)
+        blob = torch.load(path, weights_only=False)
+        train, evals = train + blob["train"], evals + blob["evals"]
+    if own:
+        questions = own_questions(recipe, pair, own, deadline, tick)
+        log(f"the target wrote {len(questions)} questions ({time.perf_counter() - started:.0f} s)")
+        train_prompts += questions
+    evals += record(target, held, head_layers, **kw)
+    train += record(target, train_prompts, head_layers, deadline=deadline, **kw) if train_prompts else []
+    log(f"greedy answers: {len(held)} held-out, {len(train_prompts)} training prompts "
+        f"({time.perf_counter() - started:.0f} s)")
+    if texts:
+        train += read(target, texts, head_layers)
+    for k in range(1, recipe.samples):
+        if time.perf_counter() > deadline or not train_prompts:
+            break
+        train += record(target, train_prompts, head_layers, temperature=recipe.temperature,
+                        seed=recipe.seed * 1000 + k, deadline=deadline, **kw)
+        log(f"sampled answers, round {k}: {sum(s.entries for s in train)} training entries")
+    return train, evals
+
+
+def run(recipe: Recipe, log: Callable[[str], None] = print, tick=None, on_step=None) -> dict:
+    """The whole recipe (see the module docstring); returns the report."""
+    from ..models import load_pair
+
+    torch.manual_seed(recipe.seed)
+    started = time.perf_counter()
+    budget = recipe.minutes * 60
+    out = Path(recipe.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pair = load_pair(recipe.target, need_draft=False, dtype=recipe.dtype, device=recipe.device)
+    target = pair.target
+    vocab = target.get_output_embeddings().weight.shape[0]
+    data_path, ckpt = out / "data.pt", out / "checkpoint.pt"
+    if recipe.resume and data_path.is_file():
+        blob = torch.load(data_path, weights_only=False)
+        train, evals, order = blob["train"], blob["evals"], blob["order"]
+        log(f"resuming: {len(train)} training sequences from {data_path}")
+    else:
+        train, evals = collect(recipe, pair, started + recipe.data_share * budget, log, tick)
+        order = vocab_by_frequency(train, vocab)
+        torch.save({"train": train, "evals": evals, "order": order}, data_path)
+    data_s = time.perf_counter() - started
+    n = recipe.draft_vocab if recipe.draft_vocab and recipe.draft_vocab < vocab else None
+    cover = {str(k): round(coverage(evals, order[:k], vocab), 4) for k in (1024, 2048, 4096, 8192, 16384, 32768)
+             if k < vocab}
+    log(f"held-out greedy tokens covered by the N most frequent: {cover}")
+    head = new_head(target, recipe.kind, draft_vocab=n, seed=recipe.seed, vocab_ids=order)
+    config = TrainConfig(ttt=recipe.ttt, lr=recipe.lr, seed=recipe.seed, freeze_lm_head=recipe.freeze_lm_head,
+                         total=recipe.steps)
+    trainer = Trainer(head, train, config)
+    if recipe.resume and ckpt.is_file():
+        trainer.load(ckpt)
+        log(f"resuming at step {trainer.state.step} of {trainer.state.total}")
+    seconds = max(10.0, budget - (time.perf_counter() - started) - 60)
+    state = trainer.run(seconds, checkpoint=lambda t: t.save(ckpt), on_step=on_step)
+    report = {"kind": recipe.kind, "draft_vocab": n or vocab, "coverage": cover,
+              "held_out": evaluate(head, evals, gamma=4), "train_entries": sum(s.entries for s in train),
+              "held_out_sequences": len(evals), "steps": state.step, "total_steps": state.total,
+              "train_minutes": round(state.seconds / 60, 2), "data_minutes": round(data_s / 60, 2),
+              "last": state.history[-3:], "recipe": asdict(recipe)}
+    from .formats import save_head
+
+    save_head(head, out, target_name=pair.target_name)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    return report

@@ -1,0 +1,42 @@
+"""`--drafter eagle:<dir>` through the engine: greedy output equals target-only decoding for every
+method and batch size, with the head's features taken from prefill chunks, joining prompts and
+every verify pass (plain rounds too)."""
+
+from __future__ import annotations
+
+import pytest
+from tiny import pair, prompts, references
+
+from batchspec import EngineConfig, SamplingParams, SpecEngine
+from batchspec.eagle.formats import save_head
+from batchspec.eagle.head import new_head
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("head")
+    save_head(new_head(pair("llama").target, "eagle3", draft_vocab=200, seed=3), out)
+    return out
+
+
+@pytest.mark.parametrize("method", ["eqspec", "exspec"])
+@pytest.mark.parametrize("batch_size", [1, 3, 8, 32])
+def test_an_eagle_head_keeps_greedy_output_exact(head_dir, method, batch_size):
+    p, ids = pair("llama"), prompts(12)
+    refs = references(p, ids, MAX_NEW)
+    for adaptive in (False, True):
+        engine = SpecEngine(p, EngineConfig(method=method, batch_size=batch_size, gamma=3, adaptive=adaptive,
+                                            drafter=f"eagle:{head_dir}", debug=True, max_prefill_tokens=24))
+        outs = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))
+        assert [o.token_ids for o in outs] == refs
+        if not adaptive:
+            assert engine.last_run.drafted > 0  # (the head drafted: its features arrived)
+
+
+def test_a_bad_head_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        SpecEngine(pair("llama"), EngineConfig(drafter=f"eagle:{tmp_path}"))
+    with pytest.raises(ValueError, match="needs a head"):
+        SpecEngine(pair("llama"), EngineConfig(drafter="eagle"))
