@@ -10,14 +10,15 @@
 # (`batchspec models fetch smollm2-135m`).
 
 # The bundled pair (batchspec/assets/default_pair): exactness; the default against every fixed γ and plain
-# decoding at 1, 8, 32 rows, and against plain decoding at 1-64 rows, with the twin; the policy on the
-# recorded traces (tests/traces/, made by `batchspec trace record`, see docs/scheduling.md).
+# decoding at 1, 8, 32 rows, and against plain decoding at 2, 4, 16, 64 rows, with the twin; the policy on
+# the recorded traces (tests/traces/, made by `batchspec trace record`, see docs/scheduling.md); the
+# default against transformers, on `generate`'s own workload, and the drafters on `echo`.
 results_bundled() {
   batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,8,32 --num-prompts 32 --max-new-tokens 64 \
     --json docs/results/bundled_verify.json
   batchspec bench --methods autoregressive,eqspec --batch-sizes 1,8,32 --gamma 1,2,4 --drafters hybrid \
     --adaptive off,on --twin --num-prompts 64 --max-new-tokens 32 --repeat 3 --json docs/results/bundled_bench.json
-  batchspec bench --methods autoregressive,eqspec --batch-sizes 1,2,4,8,16,32,64 --twin --num-prompts 64 \
+  batchspec bench --methods autoregressive,eqspec --batch-sizes 2,4,16,64 --twin --num-prompts 64 \
     --max-new-tokens 32 --repeat 3 --json docs/results/bundled_sweep.json
   batchspec trace replay tests/traces/bundled_b1.json tests/traces/bundled_b8.json tests/traces/bundled_b32.json
   for B in 1 8 32; do
@@ -32,19 +33,18 @@ results_bundled() {
 }
 
 # SmolLM2-135M-Instruct alone (no draft model: the default drafter runs its lookup part alone), prompts
-# through its chat template: exactness of every method with the default drafter; the default against every
-# fixed γ and plain decoding at 1, 8, 32 rows, and against plain decoding at 2, 4, 16, 64 rows, with the twin.
+# through its chat template: the default against fixed γ and plain decoding at 1 and 8 rows, and against plain
+# decoding at 32 and 64 rows (the chat and grounded sets together: 64 prompts), with the twin; the policy on
+# the recorded traces; plain decoding against transformers; the model-free drafters on the grounded set.
 results_smollm2() {
   batchspec verify --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec,exspec \
-    --batch-sizes 1,8,32 --num-prompts 32 --max-new-tokens 32 --json docs/results/smollm2_verify.json
-  batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --batch-sizes 1,8,32 \
-    --gamma 1,2,4 --adaptive off,on --twin --num-prompts 32 --max-new-tokens 32 --repeat 2 \
+    --batch-sizes 1,8,32 --drafter ngram --num-prompts 32 --max-new-tokens 32 --json docs/results/smollm2_verify_ngram.json
+  batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --batch-sizes 1,8 \
+    --gamma 2,4 --adaptive off,on --twin --num-prompts 16 --max-new-tokens 32 --repeat 2 \
     --json docs/results/smollm2_bench.json
-  local mixed="${TMPDIR:-/tmp}/batchspec_chat_grounded.jsonl"  # 64 prompts, for 64 rows
+  local mixed="${TMPDIR:-/tmp}/batchspec_chat_grounded.jsonl"
   cat batchspec/assets/chat.jsonl batchspec/assets/grounded.jsonl > "$mixed"
-  batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --batch-sizes 2,4 \
-    --twin --num-prompts 16 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_default_small.json
-  batchspec bench --target smollm2-135m --chat --prompts "$mixed" --methods autoregressive,eqspec --batch-sizes 16,64 \
+  batchspec bench --target smollm2-135m --chat --prompts "$mixed" --methods autoregressive,eqspec --batch-sizes 32,64 \
     --twin --num-prompts 64 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_default_large.json
   batchspec trace replay tests/traces/smollm2_b1.json tests/traces/smollm2_b8.json tests/traces/smollm2_b32.json
   batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --peers hf --twin \
