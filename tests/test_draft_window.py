@@ -142,7 +142,8 @@ def test_windowed_hybrid_is_exact(monkeypatch):
     base, ids, refs = workload("llama")
     p = ModelPair(base.target, pair("llama", "perturbed").draft, None, base.vocab_size, base.eos_token_ids)
     for bs in (1, 8):
-        engine = SpecEngine(p, EngineConfig(drafter="hybrid", batch_size=bs, gamma=3, draft_window=2, debug=True))
+        engine = SpecEngine(p, EngineConfig(drafter="hybrid", batch_size=bs, gamma=3, draft_window=2, debug=True,
+                                            adaptive=False))
         assert [o.token_ids for o in run(engine, ids)] == refs
     assert cuts[0] > 0
 
