@@ -39,26 +39,31 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
     if path.is_dir():
         raise ValueError(f"prompts {path} is a folder; give a JSONL file or one of {', '.join(PROMPT_SETS)}")
     prompts = []
+    for lineno, row in jsonl_rows(path):
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            prompts.append(row["prompt"])
+        elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"] \
+                and isinstance(row["turns"][0], str):
+            prompts.append(row["turns"][0])
+        else:
+            raise ValueError(f'{path}:{lineno}: expected {{"prompt": "..."}} or a Spec-Bench row with "turns"')
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def jsonl_rows(path: str | Path):
+    """(line number, parsed row) for each non-blank line of a JSONL file; ValueError naming a bad line."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if isinstance(row, dict) and isinstance(row.get("prompt"), str):
-                prompts.append(row["prompt"])
-            elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"] \
-                    and isinstance(row["turns"][0], str):
-                prompts.append(row["turns"][0])
-            else:
-                raise ValueError(f'{path}:{lineno}: expected {{"prompt": "..."}} or a Spec-Bench row with "turns"')
-            if limit is not None and len(prompts) >= limit:
-                break
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts")
-    return prompts
 
 
 def chat_token_ids(tokenizer, prompts: list[str]) -> list[list[int]]:

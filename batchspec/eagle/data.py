@@ -15,7 +15,6 @@ target's distribution at p (final state at p, argmax at p).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 
 from ..core.request import Request
 from ..core.runner import ModelRunner, padded_ids
+from ..prompts import jsonl_rows
 from ..sampling import SamplingParams
 
 
@@ -45,20 +45,13 @@ class Sequence:
 def read_texts(path: str | Path) -> tuple[list[str], list[str]]:
     """A JSONL file's rows: {"prompt": ...} (answered by the target) and {"text": ...} (read as is)."""
     prompts, texts = [], []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if isinstance(row, dict) and isinstance(row.get("text"), str):
-                texts.append(row["text"])
-            elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
-                prompts.append(row["prompt"])
-            else:
-                raise ValueError(f'{path}:{lineno}: expected {{"prompt": "..."}} or {{"text": "..."}}')
+    for lineno, row in jsonl_rows(path):
+        if isinstance(row, dict) and isinstance(row.get("text"), str):
+            texts.append(row["text"])
+        elif isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            prompts.append(row["prompt"])
+        else:
+            raise ValueError(f'{path}:{lineno}: expected {{"prompt": "..."}} or {{"text": "..."}}')
     return prompts, texts
 
 
