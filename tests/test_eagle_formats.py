@@ -56,6 +56,7 @@ def test_speculators_round_trip(tmp_path, kind, draft_vocab):
         assert config["architectures"][0] == "EagleSpeculator"
         assert weights["fusion_fc.weight"].shape == (64, 2 * 64) and "fusion_fc.bias" in weights
         assert "transformer.self_attn.q_proj.weight" in weights
+        # (tiny_head remaps the vocabulary: its LM head is no longer the target's rows, so it is saved)
         assert ("lm_head.weight" in weights) == (draft_vocab is not None)
     if draft_vocab:
         assert weights["d2t"].dtype == torch.int64 and weights["t2d"].dtype == torch.bool
@@ -63,6 +64,27 @@ def test_speculators_round_trip(tmp_path, kind, draft_vocab):
     loaded = load_head(tmp_path, target)
     assert loaded.spec == head.spec
     same_outputs(head, loaded, 64 * len(head.spec.layers))
+
+
+def test_a_reduced_lm_head_is_saved_only_when_trained_and_in_the_dtype_asked(tmp_path):
+    target, head = tiny_head("eagle", 100)
+    rows = target.get_output_embeddings().weight[head.target_ids]
+    with torch.no_grad():
+        head.lm_head.weight.copy_(rows)  # as `new_head` starts it and frozen training keeps it
+    save_head(head, tmp_path / "frozen", dtype=torch.bfloat16)
+    weights = load_file(str(tmp_path / "frozen" / "model.safetensors"))
+    assert "lm_head.weight" not in weights and weights["fusion_fc.weight"].dtype == torch.bfloat16
+    assert weights["d2t"].dtype == torch.int64  # (only floating weights change dtype)
+    loaded = load_head(tmp_path / "frozen", target)
+    assert torch.equal(loaded.lm_head.weight, rows)  # filled from the target it is loaded onto
+    assert loaded.q_proj.weight.dtype == torch.float32  # (the target's dtype)
+    assert torch.equal(loaded.q_proj.weight, head.q_proj.weight.to(torch.bfloat16).float())
+    with torch.no_grad():
+        head.lm_head.weight[3] += 1.0  # trained: its own rows now
+    save_head(head, tmp_path / "trained")
+    weights = load_file(str(tmp_path / "trained" / "model.safetensors"))
+    assert torch.equal(weights["lm_head.weight"], head.lm_head.weight)
+    same_outputs(head, load_head(tmp_path / "trained", target), 64)
 
 
 def test_eagle1_authors_layout(tmp_path):

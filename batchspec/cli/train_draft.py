@@ -18,6 +18,8 @@ def train_draft(
                                       "(prompts the target answers), self:N (N questions the target writes and "
                                       "answers), an earlier run's data.pt, or JSONL files of {\"prompt\"} or "
                                       "{\"text\"} (read teacher-forced) rows")] = "chat,grounded,bundled",
+    eval_sets: Annotated[str, typer.Option("--eval", metavar="SETS", help="Comma-separated prompt sets held "
+                                           "out whole, answered only for the report (e.g. chat,grounded)")] = "",
     minutes: Annotated[float, typer.Option("--minutes", metavar="M", help="Time budget: data, training and "
                                            "the report")] = 40.0,
     kind: Annotated[str, typer.Option("--kind", metavar="KIND", help="eagle (EAGLE-1) or eagle3")] = "eagle",
@@ -50,7 +52,7 @@ def train_draft(
     try:
         if minutes <= 0 or ttt < 1 or samples < 1:
             raise ValueError("--minutes must be > 0, --ttt and --samples >= 1")
-        recipe = Recipe(target=target, out=out, data=data, minutes=minutes, kind=kind,
+        recipe = Recipe(target=target, out=out, data=data, eval=eval_sets, minutes=minutes, kind=kind,
                         draft_vocab=draft_vocab or None, resume=resume, ttt=ttt, samples=samples,
                         max_new_tokens=max_new_tokens, seed=seed, data_share=data_share,
                         freeze_lm_head=freeze_lm_head, steps=steps or None, dtype=dtype, device=device)

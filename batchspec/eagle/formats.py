@@ -14,7 +14,8 @@ speculators (0.9.0 for EAGLE-3; EAGLE-1 as its `eagle` model type defined it), c
             norm.weight, lm_head.weight [N, H], d2t [N] int64, t2d [V] bool
     eagle:  fusion_fc.{weight, bias}, transformer.self_attn.*, transformer.mlp.*,
             transformer.post_attention_layernorm.weight (with layernorms: transformer.input_layernorm,
-            embedding_layernorm, pre_lm_head_layernorm); ours for a reduced vocabulary: lm_head, d2t, t2d
+            embedding_layernorm, pre_lm_head_layernorm); ours for a reduced vocabulary: lm_head (left out while
+            it is the target's rows: `target_rows`), d2t, t2d
 
 EAGLE authors (SafeAILab/EAGLE), a llama-like config.json and pytorch_model.bin or safetensors:
     EAGLE-1: fc.{weight, bias} [H, 2H], layers.0.self_attn.*, layers.0.mlp.*,
@@ -79,14 +80,28 @@ def _layer_config(head: EagleHead) -> dict:
     return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **{k: config[k] for k in keep if k in config}}
 
 
+def target_rows(head: EagleHead) -> bool:
+    """Whether an EAGLE-1 head's reduced LM head is still the target's rows (trained frozen): such a
+    head is saved without it and `load_head` takes the rows from the target it is loaded onto."""
+    if head.spec.kind != "eagle" or head.lm_head is None or head.target_head is None or head.d2t is None:
+        return False
+    rows = head.target_head[head.target_ids.to(head.target_head.device)]
+    return torch.equal(head.lm_head.weight.detach(), rows.to(head.lm_head.weight.dtype))
+
+
 def save_head(head: EagleHead, path: str | Path, target_name: str | None = None, layout: str = "speculators",
-              speculative_tokens: int = 4) -> Path:
+              speculative_tokens: int = 4, dtype: torch.dtype | None = None) -> Path:
     """Write `head` to folder `path` (config.json + model.safetensors) in speculators' layout, or
-    (`layout="eagle"`) the EAGLE authors' (config.json + pytorch_model.bin)."""
+    (`layout="eagle"`) the EAGLE authors' (config.json + pytorch_model.bin). Floating weights are
+    stored in `dtype` (default their own); a reduced LM head that is the target's rows is left out."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     spec = head.spec
-    state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items() if not k.startswith("rotary.")}
+    drop = {"lm_head.weight"} if target_rows(head) else set()
+    state = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()
+             if not k.startswith("rotary.") and k not in drop}
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     state = _rename(state, _names(spec.kind, layout))
     layer = _layer_config(head)
     if layout == "eagle":
@@ -191,4 +206,7 @@ def load_head(path: str | Path, target) -> EagleHead:
     head = head.to(dtype=target.dtype, device=target.device).attach(target)
     if head.d2t is not None and int(head.t2d.sum()) != head.draft_vocab:
         raise ValueError(f"{path}: t2d marks {int(head.t2d.sum())} target ids, the head drafts {head.draft_vocab}")
+    if "lm_head.weight" not in state and head.lm_head is not None:  # saved as the target's rows
+        with torch.no_grad():
+            head.lm_head.weight.copy_(head.target_head[head.target_ids.to(head.target_head.device)])
     return head.eval()

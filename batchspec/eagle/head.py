@@ -307,11 +307,12 @@ def head_config(target_config, intermediate_size: int | None = None) -> LlamaCon
 
 
 def new_head(target, kind: str = "eagle", draft_vocab: int | None = None, seed: int = 0,
-             vocab_ids: torch.Tensor | None = None) -> EagleHead:
+             vocab_ids: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> EagleHead:
     """A freshly initialised head for `target` (attached): EAGLE-1 reads the final normed state,
     EAGLE-3 the three layers `eagle3_layers` names. A reduced vocabulary of `draft_vocab` ids
     drafts over `vocab_ids` (default the first ids); an own LM head starts as the target's rows
-    and EAGLE-3's final norm as the target's."""
+    and EAGLE-3's final norm as the target's. `dtype`: the head's (default the target's; training
+    keeps float32 weights under a bfloat16 target)."""
     config = head_config(target.config)
     text = target.config.get_text_config()
     layers = (text.num_hidden_layers,) if kind == "eagle" else eagle3_layers(text.num_hidden_layers)
@@ -324,7 +325,7 @@ def new_head(target, kind: str = "eagle", draft_vocab: int | None = None, seed: 
                 nn.init.normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
-    head = head.to(dtype=target.dtype, device=target.device).attach(target)
+    head = head.to(dtype=dtype or target.dtype, device=target.device).attach(target)
     if head.d2t is not None:
         ids = vocab_ids[: head.draft_vocab] if vocab_ids is not None else torch.arange(head.draft_vocab)
         head.set_vocab(ids.sort().values)

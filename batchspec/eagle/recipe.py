@@ -8,6 +8,11 @@ Folder layout of a run (`out`):
 
 The time budget (`minutes`) is split: data collection stops at `data_share` of it (after at least
 the greedy pass over the prompts), training gets the rest less a minute for the report.
+
+Precision: on a CPU with bfloat16 matrix units (AMX or AVX512-BF16) or a GPU, `dtype="auto"` loads
+the target in bfloat16 for the whole recipe (recording ~3.5x faster than float32 on a 2-core Xeon
+with AMX); the head keeps float32 weights, trains under autocast, and is saved in bfloat16 (its
+frozen LM head left out: `formats.save_head`). A head serves targets of any dtype.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ class Recipe:
     target: str | None = None
     out: str = "eagle-head"
     data: str = "chat,grounded,bundled"  # comma-separated: named prompt sets or JSONL files
+    eval: str = ""  # prompt sets held out whole (answered greedily for the report only)
     minutes: float = 40.0
     kind: str = "eagle"
     draft_vocab: int | None = 8192  # None or >= vocab: the full vocabulary
@@ -55,7 +61,7 @@ class Recipe:
     temperature: float = 0.8
     max_new_tokens: int = 192
     data_share: float = 0.3
-    batch: int = 16  # rows generated at once
+    batch: int = 64  # rows generated at once
     ttt: int = 1
     lr: float = 1e-3
     freeze_lm_head: bool = False
@@ -72,7 +78,16 @@ def _sources(recipe: Recipe, tokenizer) -> tuple[list[tuple[list[list[int]], int
 
     chat = getattr(tokenizer, "chat_template", None) is not None
     sets, texts, own, earlier = [], [], 0, []
+    held_whole = [s.strip() for s in recipe.eval.split(",") if s.strip()]
+    for name in held_whole:
+        if name not in NAMED:
+            raise ValueError(f"--eval {name!r} is not a prompt set ({', '.join(NAMED)})")
+        ids = chat_token_ids(tokenizer, load_prompts(name)) if chat and name != "bundled" else \
+            [tokenizer(p)["input_ids"] for p in load_prompts(name)]
+        sets.append((ids, len(ids)))
     for name in [s.strip() for s in recipe.data.split(",") if s.strip()]:
+        if name in held_whole:
+            raise ValueError(f"{name!r} is both training data (--data) and held out (--eval)")
         if name.startswith("self:") and name[5:].isdigit():
             own += int(name[5:])
             continue
@@ -147,17 +162,29 @@ def collect(recipe: Recipe, pair, deadline: float, log: Callable[[str], None],
     return train, evals
 
 
+def fast_bfloat16(device: str) -> bool:
+    """Whether bfloat16 matmuls are fast here: a GPU that has them, or a CPU with AMX or AVX512-BF16."""
+    if device.startswith("cuda"):
+        return torch.cuda.is_bf16_supported()
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(probe is not None and probe() for probe in probes)
+
+
 def run(recipe: Recipe, log: Callable[[str], None] = print, tick=None, on_step=None) -> dict:
     """The whole recipe (see the module docstring); returns the report."""
-    from ..models import load_pair
+    from ..models import load_pair, resolve_device
 
     torch.manual_seed(recipe.seed)
     started = time.perf_counter()
     budget = recipe.minutes * 60
     out = Path(recipe.out)
     out.mkdir(parents=True, exist_ok=True)
-    pair = load_pair(recipe.target, need_draft=False, dtype=recipe.dtype, device=recipe.device)
+    dtype = recipe.dtype
+    if dtype in (None, "auto"):
+        dtype = "bfloat16" if fast_bfloat16(resolve_device(recipe.device)) else "float32"
+    pair = load_pair(recipe.target, need_draft=False, dtype=dtype, device=recipe.device)
     target = pair.target
+    log(f"the target in {dtype}")
     vocab = target.get_output_embeddings().weight.shape[0]
     data_path, ckpt = out / "data.pt", out / "checkpoint.pt"
     if recipe.resume and data_path.is_file():
@@ -173,7 +200,7 @@ def run(recipe: Recipe, log: Callable[[str], None] = print, tick=None, on_step=N
     cover = {str(k): round(coverage(evals, order[:k], vocab), 4) for k in (1024, 2048, 4096, 8192, 16384, 32768)
              if k < vocab}
     log(f"held-out greedy tokens covered by the N most frequent: {cover}")
-    head = new_head(target, recipe.kind, draft_vocab=n, seed=recipe.seed, vocab_ids=order)
+    head = new_head(target, recipe.kind, draft_vocab=n, seed=recipe.seed, vocab_ids=order, dtype=torch.float32)
     config = TrainConfig(ttt=recipe.ttt, lr=recipe.lr, seed=recipe.seed, freeze_lm_head=recipe.freeze_lm_head,
                          total=recipe.steps)
     trainer = Trainer(head, train, config)
@@ -189,6 +216,6 @@ def run(recipe: Recipe, log: Callable[[str], None] = print, tick=None, on_step=N
               "last": state.history[-3:], "recipe": asdict(recipe)}
     from .formats import save_head
 
-    save_head(head, out, target_name=pair.target_name)
+    save_head(head, out, target_name=pair.target_name, dtype=torch.bfloat16)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     return report

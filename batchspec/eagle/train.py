@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -103,8 +104,24 @@ def draft_to_target(head: EagleHead, ids: torch.Tensor) -> torch.Tensor:
     return ids if head.d2t is None else ids + head.d2t[ids]
 
 
+def mixed(head: EagleHead) -> torch.autocast:
+    """Autocast to the target's half precision when the head keeps float32 weights over a bfloat16
+    or float16 target (`recipe.py` records in bfloat16 where the CPU has AMX / AVX512-BF16)."""
+    half = head.embed is not None and head.embed.dtype in (torch.bfloat16, torch.float16)
+    enabled = half and head.q_proj.weight.dtype == torch.float32
+    device = head.q_proj.weight.device.type
+    return torch.autocast(device, dtype=head.embed.dtype if enabled else torch.bfloat16, enabled=enabled)
+
+
 def losses(head: EagleHead, batch: Batch, config: TrainConfig, train: bool = True) -> tuple[torch.Tensor, list]:
     """(the loss, per ttt step: correct [b, n] bool, the head's greedy token == the target's)."""
+    with mixed(head), warnings.catch_warnings():
+        # (autocast feeds RMSNorm bfloat16 inputs with float32 weights: correct, unfused, and warned of)
+        warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+        return _losses(head, batch, config, train)
+
+
+def _losses(head: EagleHead, batch: Batch, config: TrainConfig, train: bool) -> tuple[torch.Tensor, list]:
     feats = batch.features
     if train and config.noise > 0 and head.spec.kind == "eagle":
         rms = feats.pow(2).mean(-1, keepdim=True).sqrt()
