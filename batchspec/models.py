@@ -35,6 +35,14 @@ class ModelPair:
     target_name: str = "target"
     draft_name: str | None = None
 
+    @property
+    def head(self) -> str | None:
+        """The EAGLE head batchspec ships for this target (catalog.known_head), or None."""
+        from .catalog import known_head
+
+        path = known_head(self.target_name)
+        return str(path) if path is not None else None
+
 
 def resolve_device(device: str | None) -> str:
     if device in (None, "auto"):

@@ -146,6 +146,25 @@ def test_rows_joining_with_prompts_and_missing_rounds():
     assert "eagle" not in a.kv_len and drafter.free == [0]
 
 
+@pytest.mark.parametrize("start", [0, 3, 7])
+def test_a_row_fed_again_takes_the_new_features(start):
+    """Prefill with counts over positions the row holds (the target fed the row again: LongRoPE's
+    regime change re-prefills): its features from `start` on replace the old, committed entries
+    built on them included; the drafts are the head's alone from the new features."""
+    head = make_head("eagle", None)
+    world = World(head, [10], seed=4)
+    (req,) = world.reqs
+    greedy = BatchSampling.of([SamplingParams()], "cpu")
+    old = world.feats[0].clone()
+    world.feats[0][start:] = torch.randn(512 - start, world.width, generator=torch.Generator().manual_seed(9))
+    drafter = EagleDrafter(head, VOCAB)
+    drafter.prefill([req], [9], old[None, :9])
+    drafter.propose([req], [2], None, greedy)  # enters (and commits) entries built on the old features
+    assert req.kv_len["eagle"] > 0
+    drafter.prefill([req], [9], world.feats[0][None, start:9], counts=[9 - start])
+    assert drafter.propose([req], [3], None, greedy).tokens[0].tolist() == world.reference(req, 3)
+
+
 def test_sampled_q_is_the_heads_softmax_and_zero_outside_its_vocabulary():
     head = make_head("eagle3", 120)
     world = World(head, [6, 4], seed=7)

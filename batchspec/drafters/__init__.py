@@ -33,6 +33,7 @@ class BuildContext:
     draft_window: int | None = None  # the draft model's window (drafters/model.py)
     forward: str = "auto"  # how the models run (EngineConfig.forward), for the drafter's step probe
     target: Any = None  # the target model (an EAGLE head borrows its embeddings and LM head)
+    head: str | None = None  # the head batchspec ships for this target (catalog.known_head), if any
 
     def draft_model(self) -> DraftModelDrafter:
         return DraftModelDrafter(self.draft_runner, self.draft_window, self.forward)
@@ -118,10 +119,7 @@ def _build_oracle(prob: float, ctx: BuildContext) -> Drafter:
 
 
 def _head_path(arg: str, spec: str) -> str:
-    if not arg:
-        raise ValueError(f"drafter {spec!r} needs a head: eagle:<dir>, a folder in the speculators, EAGLE-1 or EAGLE-3 "
-                         "layout (`batchspec train-draft --target T --out DIR` makes one)")
-    return arg
+    return arg  # '' : the head batchspec ships for the target
 
 
 def _build_eagle(path: str, ctx: BuildContext) -> Drafter:
@@ -130,32 +128,50 @@ def _build_eagle(path: str, ctx: BuildContext) -> Drafter:
 
     if ctx.target is None:
         raise ValueError("an EAGLE head needs the target model it drafts for")
+    path = path or ctx.head
+    if not path:
+        raise ValueError("drafter 'eagle' needs a head: eagle:<dir>, a folder in the speculators, EAGLE-1 or EAGLE-3 "
+                         "layout (`batchspec train-draft --target T --out DIR` makes one); batchspec ships one "
+                         "only for smollm2-135m")
     return EagleDrafter(load_head(path, ctx.target), ctx.vocab_size)
 
 
 LOOKUPS = ("ngram", "suffix")  # the model-free drafters a hybrid can be built on
 
 
-def _hybrid_args(arg: str, spec: str) -> tuple[str, Any]:
-    """'' -> the default lookup; 'suffix:16' or 'ngram:2,4' -> that lookup's spec and options;
-    '2,4,10' -> ngram with those numbers (the older form)."""
-    if not arg:
-        arg = hybrid.LOOKUP
-    elif arg[0].isdigit():
-        arg = f"ngram:{arg}"
-    name = arg.partition(":")[0]
+def _hybrid_args(arg: str, spec: str) -> tuple[str, Any, str | None]:
+    """(lookup, its options, the model part's spec or None). '' -> the default lookup;
+    'suffix:16' or 'ngram:2,4' -> that lookup; '2,4,10' -> ngram with those numbers (the older
+    form); '<lookup>+eagle[:<dir>]' or 'eagle[:<dir>]' -> that lookup (or the default) and a head."""
+    lookup, plus, model = arg.partition("+")
+    if not plus and arg.partition(":")[0] == "eagle":
+        lookup, model = "", arg
+    if plus and model.partition(":")[0] != "eagle":
+        raise ValueError(f"drafter {spec!r}: the part after '+' must be an EAGLE head, eagle[:<dir>]")
+    if not lookup:
+        lookup = hybrid.LOOKUP
+    elif lookup[0].isdigit():
+        lookup = f"ngram:{lookup}"
+    name = lookup.partition(":")[0]
     if name not in LOOKUPS:
         raise ValueError(f"drafter {spec!r}: a hybrid is built on one of {', '.join(LOOKUPS)}, e.g. "
-                         f"hybrid:ngram:2,4,10 or hybrid:suffix")
-    return name, parse_drafter(arg)[1]
+                         f"hybrid:ngram:2,4,10, hybrid:suffix or hybrid:suffix+eagle:<dir>")
+    return name, parse_drafter(lookup)[1], (model or None)
 
 
-def _build_hybrid(args: tuple[str, Any], ctx: BuildContext) -> Drafter:
-    """The lookup and the draft model; with no draft model loaded (a target given alone), the lookup
+def _build_hybrid(args: tuple[str, Any, str | None], ctx: BuildContext) -> Drafter:
+    """The lookup and a model part: the head it names, else the draft model, else the head batchspec
+    ships for the target (catalog.known_head); with none of them (a target given alone), the lookup
     alone: what the hybrid does on every row the lookup matches, and plain decoding elsewhere."""
-    name, options = args
+    name, options, model = args
     lookup = REGISTRY[name].build(options, ctx)
-    return HybridDrafter(ctx.draft_model(), lookup) if ctx.draft_runner is not None else lookup
+    if model is not None:
+        return HybridDrafter(REGISTRY["eagle"].build(model.partition(":")[2], ctx), lookup)
+    if ctx.draft_runner is not None:
+        return HybridDrafter(ctx.draft_model(), lookup)
+    if ctx.head is not None and ctx.target is not None:
+        return HybridDrafter(REGISTRY["eagle"].build(ctx.head, ctx), lookup)
+    return lookup
 
 
 REGISTRY: dict[str, DrafterSpec] = {
@@ -169,12 +185,14 @@ REGISTRY: dict[str, DrafterSpec] = {
     "suffix": DrafterSpec("suffix[:depth,k,min_prob,max_tokens]",
                           "suffix decoding, no model: most frequent continuation over this and earlier requests",
                           _suffix_args, lambda args, ctx: SuffixDrafter(ctx.device, *args), "unused"),
-    "hybrid": DrafterSpec("hybrid[:suffix[:...]|ngram[:...]]",
-                          f"{hybrid.LOOKUP} where it has a confident match, the draft model for the other rows "
-                          f"where it pays (default hybrid:{hybrid.LOOKUP}); the lookup alone without a draft model",
+    "hybrid": DrafterSpec("hybrid[:suffix[:...]|ngram[:...]][+eagle[:<dir>]]",
+                          f"{hybrid.LOOKUP} where it has a match, a model for the other rows where it pays: the "
+                          "head named after '+', else the draft model, else the head batchspec ships for the "
+                          f"target (default hybrid:{hybrid.LOOKUP}); the lookup alone without any",
                           _hybrid_args, _build_hybrid, "wanted"),
-    "eagle": DrafterSpec("eagle:<dir>", "an EAGLE draft head over the target's own hidden states (speculators, "
-                         "EAGLE-1 or EAGLE-3 layout; `batchspec train-draft` trains one)", _head_path, _build_eagle,
+    "eagle": DrafterSpec("eagle[:<dir>]", "an EAGLE draft head over the target's own hidden states (speculators, "
+                         "EAGLE-1 or EAGLE-3 layout; `batchspec train-draft` trains one; without a folder, the one "
+                         "batchspec ships for the target)", _head_path, _build_eagle,
                          "unused"),
     "oracle": DrafterSpec("oracle:<p>", "synthetic, knows the target's output: for overhead studies",
                           _oracle_prob, _build_oracle, "optional", synthetic=True),
@@ -231,10 +249,10 @@ def split_drafters(text: str) -> list[str]:
 def make_drafter(spec: str, *, draft_runner, device, vocab_size: int,
                  references: MutableMapping[tuple[int, ...], list[int]] | None = None, seed: int = 0,
                  compute_reference: Callable | None = None, draft_window: int | None = None,
-                 forward: str = "auto", target=None) -> Drafter:
+                 forward: str = "auto", target=None, head: str | None = None) -> Drafter:
     _, args = parse_drafter(spec)
     ctx = BuildContext(draft_runner, device, vocab_size, references, seed, compute_reference, draft_window, forward,
-                       target)
+                       target, head)
     return drafter_spec(spec).build(args, ctx)
 
 

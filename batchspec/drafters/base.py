@@ -73,11 +73,13 @@ class Drafter(Protocol):
         the row goes undrafted), or None where a model step drafts it (up to caps[i]). The next
         `propose` for the same rows reuses what was looked up."""
 
-    def prefill(self, reqs: list[Request], ends: list[int], hidden: torch.Tensor | None = None) -> None:
+    def prefill(self, reqs: list[Request], ends: list[int], hidden: torch.Tensor | None = None,
+                counts: list[int] | None = None) -> None:
         """Cover tokens [0, ends[i]) of each request (a prefill chunk; the last chunk ends at
         len - 1). `hidden` [b, n, F]: the target's features of the chunk's columns, for a drafter
-        with `features` (right-aligned to ends[i]). The engine may skip this; `propose` must then
-        catch up on whatever it has not seen."""
+        with `features`; row i's chunk is tokens [ends[i] - counts[i], ends[i]) (a re-prefilled row's
+        chunk may start before what the drafter holds: its features replace those). The engine may
+        skip this; `propose` must then catch up on whatever it has not seen."""
 
     def propose(self, reqs: list[Request], lengths: list[int], uniforms: torch.Tensor | None,
                 sampling: BatchSampling) -> DraftProposal:

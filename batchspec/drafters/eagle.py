@@ -69,19 +69,28 @@ class EagleDrafter:
         row = self.state.get(req.index)
         return None if row is None else row.base + self._committed(req) + row.pending.shape[0]
 
-    def _add(self, req: Request, start: int, feats: torch.Tensor) -> None:
-        """The target's features of positions start.. ([m, F]) for req's row."""
+    def _add(self, req: Request, start: int, feats: torch.Tensor, replace: bool = False) -> None:
+        """The target's features of positions start.. ([m, F]) for req's row. Overlapping what the
+        row holds: kept once, or (`replace`, a row the target fed again) these replace the row's
+        from `start` on, and committed entries built on the old ones are uncommitted."""
         feats = feats.detach().to(self.device)
         have = self._have(req)
-        if have is not None and start <= have:  # follows what the row holds (overlap: kept once)
-            row = self.state[req.index]
-            row.pending = torch.cat([row.pending, feats[have - start:]])
-            return
         row = self.state.get(req.index)
+        if replace and have is not None and row.base < start < have:
+            keep, c = start - row.base, self._committed(req)  # entry k reads the feature of base + k
+            if keep <= c:
+                req.kv_len[self.name] = keep
+                row.pending, row.tail = feats, None
+            else:
+                row.pending = torch.cat([row.pending[:keep - c], feats])
+            return
+        if have is not None and start <= have and not (replace and start <= row.base):
+            row.pending = torch.cat([row.pending, feats[have - start:]])  # follows what the row holds
+            return
         if row is None:
             slot = self.free.pop() if self.free else len(self.state) + len(self.free)
             row = self.state[req.index] = _Row(slot, start, feats)
-        else:  # a gap: start the row again from these features
+        else:  # a gap, or all of it fed again: start the row again from these features
             row.base, row.pending, row.tail = start, feats, None
         req.kv_len[self.name] = 0
 
@@ -144,7 +153,8 @@ class EagleDrafter:
         """`hidden` [b, n, F]: the target's features of the chunk's fed columns, row i's first
         (left-aligned, as `ModelRunner.feed` returns them); row i's chunk is tokens [ends[i] -
         counts[i], ends[i]) or, without counts, from where the row's features end (0 for a new
-        row) to ends[i]. The entries whose tokens are known are entered at once."""
+        row) to ends[i]. With counts, features of positions the row holds replace its own (the
+        target fed them again). The entries whose tokens are known are entered at once."""
         if hidden is None:
             return  # (a row given no features restarts at its first verify pass)
         for i, (r, end) in enumerate(zip(reqs, ends)):
@@ -154,7 +164,7 @@ class EagleDrafter:
             if not 0 <= end - start <= hidden.shape[1]:
                 raise ValueError(f"eagle prefill: request {r.index}'s chunk [{start}, {end}) does not fit the "
                                  f"{hidden.shape[1]} columns given; pass counts")
-            self._add(r, start, hidden[i, :end - start])
+            self._add(r, start, hidden[i, :end - start], replace=counts is not None)
         ready = [(r, r.num_tokens - 1) for r in reqs if r.index in self.state]
         ready = [(r, u) for r, u in ready if self.state[r.index].pending.shape[0]
                  and u > self.state[r.index].base + self._committed(r)]

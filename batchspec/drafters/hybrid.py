@@ -54,10 +54,10 @@ class HybridDrafter:
     def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
         return [n if n else None for n in self.lookup.offer(reqs, caps)]
 
-    def prefill(self, reqs: list[Request], ends: list[int], hidden=None) -> None:
+    def prefill(self, reqs: list[Request], ends: list[int], hidden=None, counts=None) -> None:
         self.lookup.prefill(reqs, ends)  # the draft model catches up when it first drafts a row
         if self.features:  # (a head drafts from the target's features: it takes them as they come)
-            self.model.prefill(reqs, ends, hidden)
+            self.model.prefill(reqs, ends, hidden, counts)
 
     def propose(self, reqs: list[Request], lengths: list[int], uniforms: torch.Tensor | None,
                 sampling: BatchSampling) -> DraftProposal:

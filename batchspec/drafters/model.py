@@ -88,7 +88,7 @@ class DraftModelDrafter:
     def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
         return [None] * len(reqs)
 
-    def prefill(self, reqs: list[Request], ends: list[int], hidden=None) -> None:
+    def prefill(self, reqs: list[Request], ends: list[int], hidden=None, counts=None) -> None:
         rows = [(r, e, n) for r, e in zip(reqs, ends) if (n := self.unseen(r, e)) > 0]
         if not rows:
             return

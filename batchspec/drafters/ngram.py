@@ -131,7 +131,7 @@ class LookupDrafter:
     def observe(self, reqs: list[Request], outcome) -> None:
         pass
 
-    def prefill(self, reqs: list[Request], ends: list[int], hidden=None) -> None:
+    def prefill(self, reqs: list[Request], ends: list[int], hidden=None, counts=None) -> None:
         pass
 
     def forget(self) -> None:
@@ -166,7 +166,7 @@ class NgramDrafter(LookupDrafter):
             return []
         return cut_at_stop(idx.continuation(req.token_ids, e, min(self.k, limit)), req.stop_ids)
 
-    def prefill(self, reqs: list[Request], ends: list[int], hidden=None) -> None:
+    def prefill(self, reqs: list[Request], ends: list[int], hidden=None, counts=None) -> None:
         for r, e in zip(reqs, ends):  # index the prompt here, outside the decoding rounds
             self.index(r).extend(r.token_ids, e)
 

@@ -70,7 +70,7 @@ class OracleDrafter:
     def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
         return [None] * len(reqs)
 
-    def prefill(self, reqs: list[Request], ends: list[int], hidden=None) -> None:
+    def prefill(self, reqs: list[Request], ends: list[int], hidden=None, counts=None) -> None:
         for r in reqs:
             self.reference(r)
         if self.cost_model is not None:
