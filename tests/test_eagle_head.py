@@ -98,6 +98,10 @@ def test_head_batched_step_equals_each_row_alone(kind, draft_vocab):
             if starts[i]:
                 head.step(kv, [i], prefix_tokens[i:i + 1, :starts[i]], prefix_feats[i:i + 1, :starts[i]], [0])
         logits, out = head.step(kv, [0, 1, 2], tokens, feats, starts, counts)
+        # `last`: the same step (rewriting the same columns) with each row's last entry's logits only
+        at_last, out_again = head.step(kv, [0, 1, 2], tokens, feats, starts, counts, last=True)
+        assert at_last.shape == (3, 1, logits.shape[-1]) and torch.equal(out_again, out)
+        torch.testing.assert_close(at_last[:, 0], logits[torch.arange(3), torch.tensor(counts) - 1])
         nxt = torch.randint(0, VOCAB, (3, 1), generator=gen)
         starts2 = [s + c for s, c in zip(starts, counts)]
         last = out[torch.arange(3), torch.tensor(counts) - 1][:, None]

@@ -55,6 +55,7 @@ class EagleDrafter:
         self.head, self.vocab_size = head.eval(), vocab_size
         self.features: tuple[int, ...] = tuple(head.spec.layers)
         self.device = head.q_proj.weight.device
+        self._ids = head.target_ids  # [V_draft] target id of each draft id, ascending (None: the same)
         self.kv = head.new_kv(rows=8, capacity=256)
         self.state: dict[int, _Row] = {}  # request index -> its row
         self.free: list[int] = []
@@ -120,7 +121,7 @@ class EagleDrafter:
         ids = torch.tensor([t + [0] * (n - len(t)) for t in tokens], dtype=torch.long, device=self.device)
         hidden = torch.stack([torch.cat([f, f.new_zeros(n - f.shape[0], f.shape[1])]) for f in feats])
         with torch.no_grad():
-            logits, out = self.head.step(self.kv, rows, ids, hidden, starts, counts)
+            logits, out = self.head.step(self.kv, rows, ids, hidden, starts, counts, last=True)
         last = torch.tensor(counts, device=self.device) - 1
         at = torch.arange(len(reqs), device=self.device)
         for r, k in zip(reqs, counts):
@@ -128,7 +129,7 @@ class EagleDrafter:
             row.tail = row.pending[k - 1:k]
             row.pending = row.pending[k:]
             r.kv_len[self.name] = self._committed(r) + k
-        return logits[at, last], out[at, last]
+        return logits[:, 0], out[at, last]
 
     # ----------------------------------------------------------------------------- protocol
     def step_probe(self, rows: int, context: int = 256) -> Callable[[], float]:
@@ -214,6 +215,12 @@ class EagleDrafter:
     def _draft(self, j: int, live: list[int], logits: torch.Tensor, tokens: torch.Tensor, probs, uniforms,
                sampling: BatchSampling) -> None:
         """Draft token j of the live rows from their logits [len(live), V_draft]."""
+        ids = self._ids
+        if probs is None and (ids is None or int(ids[-1]) < self.vocab_size):
+            # greedy: the argmax over the draft vocabulary, mapped (ids ascend: the same ties)
+            best = logits[:, : self.vocab_size].argmax(-1) if ids is None else logits.argmax(-1)
+            tokens[live, j] = best if ids is None else ids[best]
+            return
         full = torch.full((tokens.shape[0], self.vocab_size), float("-inf"), device=self.device)
         full[live] = self._target_logits(logits)
         if probs is None:

@@ -211,12 +211,14 @@ class EagleHead(nn.Module):
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
 
     def step(self, kv: HeadKV, rows: list[int], tokens: torch.Tensor, hidden: torch.Tensor, starts: list[int],
-             counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             counts: list[int] | None = None, last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed buffer row rows[i] the entries (tokens[i, j], hidden[i, j]) for j < counts[i] (default
         all n) at columns starts[i] + j, each entry at position starts[i] + j + 1 (x_1 is the first
         token a head sees), attending over its row's columns <= its own. `hidden` is target features
         [b, n, F] (lifted here) or the head's own outputs [b, n, H]. Returns (logits [b, n, V_draft],
-        outputs [b, n, H]); padding columns' are garbage, and nothing of theirs is written.
+        outputs [b, n, H]); padding columns' are garbage, and nothing of theirs is written. `last`:
+        logits [b, 1, V_draft] of each row's last entry only (a prompt entered at once: the LM
+        head over every entry would cost n times the step).
 
         Example, starts [3, 0], counts [2, 1]: row 0 writes columns 3, 4 (query 0 sees 0..3, query
         1 sees 0..4); row 1 writes column 0; key width max(3 + 2, 0 + 1) = 5.
@@ -249,6 +251,9 @@ class EagleHead(nn.Module):
         attn = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=visible[:, None],
                                               enable_gqa=self.heads != self.kv_heads)
         out = self._finish(attn, residual)
+        if last:
+            at = torch.tensor(counts, device=device).clamp(min=1) - 1
+            return self.logits(out[torch.arange(b, device=device), at][:, None]), out
         return self.logits(out), out
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, steps: int = 1) -> list[tuple[torch.Tensor,
