@@ -32,15 +32,17 @@ results_bundled() {
     --json docs/results/bundled_drafters_echo.json
 }
 
-# SmolLM2-135M-Instruct alone (no draft model: the default drafter runs its lookup part alone), prompts
-# through its chat template: the default against fixed γ and plain decoding at 1 and 8 rows, and against plain
-# decoding at 32 and 64 rows (the chat and grounded sets together: 64 prompts), with the twin; the policy on
-# the recorded traces; plain decoding against transformers; the model-free drafters on the grounded set.
+# SmolLM2-135M-Instruct alone (no draft model: the default drafter is its suffix lookup and the EAGLE head
+# batchspec ships, batchspec/assets/heads/smollm2-135m, trained on none of these prompts), prompts through its
+# chat template: exactness with the head; the default and the head alone (fixed γ = 4 and adaptive) against
+# plain decoding at 1 and 8 rows, and the default at 32 and 64 rows (the chat and grounded sets together: 64
+# prompts), with the twin; the policy on the recorded traces; plain decoding against transformers; the
+# model-free drafters on the grounded set.
 results_smollm2() {
   batchspec verify --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec,exspec \
-    --batch-sizes 1,8,32 --drafter ngram --num-prompts 32 --max-new-tokens 32 --json docs/results/smollm2_verify_ngram.json
+    --batch-sizes 1,8,32 --drafter eagle --num-prompts 32 --max-new-tokens 32 --json docs/results/smollm2_verify_eagle.json
   batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --batch-sizes 1,8 \
-    --gamma 2,4 --adaptive off,on --twin --num-prompts 16 --max-new-tokens 32 --repeat 2 \
+    --drafters hybrid,eagle,suffix --gamma 4 --adaptive off,on --twin --num-prompts 16 --max-new-tokens 32 --repeat 2 \
     --json docs/results/smollm2_bench.json
   local mixed="${TMPDIR:-/tmp}/batchspec_chat_grounded.jsonl"
   cat batchspec/assets/chat.jsonl batchspec/assets/grounded.jsonl > "$mixed"
