@@ -299,9 +299,12 @@ def test_registry_parses_and_refuses_clearly():
     assert parse_drafter("ngram") == ("ngram", (2, 4, 16))
     assert parse_drafter("ngram:1,3") == ("ngram", (1, 3, 16))
     assert parse_drafter("suffix:8,4,0.5,100") == ("suffix", (8, 4, 0.5, 100))
-    assert parse_drafter("hybrid") == ("hybrid", parse_drafter(hybrid.LOOKUP))  # built on the default lookup
-    assert parse_drafter("hybrid:ngram:1,3") == parse_drafter("hybrid:1,3") == ("hybrid", ("ngram", (1, 3, 16)))
-    assert parse_drafter("hybrid:suffix:8,4") == ("hybrid", ("suffix", (8, 4, 0.25, 1 << 16)))
+    assert parse_drafter("hybrid") == ("hybrid", (*parse_drafter(hybrid.LOOKUP), None))  # the default lookup
+    assert parse_drafter("hybrid:ngram:1,3") == parse_drafter("hybrid:1,3") == ("hybrid", ("ngram", (1, 3, 16), None))
+    assert parse_drafter("hybrid:suffix:8,4") == ("hybrid", ("suffix", (8, 4, 0.25, 1 << 16), None))
+    # a head under the lookup: after '+', or alone (on the default lookup)
+    assert parse_drafter("hybrid:ngram:1,3+eagle:/h") == ("hybrid", ("ngram", (1, 3, 16), "eagle:/h"))
+    assert parse_drafter("hybrid:eagle") == ("hybrid", (*parse_drafter(hybrid.LOOKUP), "eagle"))
     for spec, message in [("ngram:3,2", "min_n <= max_n"), ("ngram:x", "ngram:2,4,16"),
                           ("ngram:1,2,3,4", "ngram\\[:min_n,max_n,k\\]"), ("suffix:4,4", "depth > k"),
                           ("suffix:8,4,2", "min_prob in \\[0, 1\\]"), ("draft_model:1", "takes no arguments"),
@@ -413,7 +416,7 @@ class Recorder:
     def offer(self, reqs, caps):
         return self.inner.offer(reqs, caps)
 
-    def prefill(self, reqs, ends, hidden=None):
+    def prefill(self, reqs, ends, hidden=None, counts=None):
         self.inner.prefill(reqs, ends, hidden)
 
     def propose(self, reqs, lengths, uniforms, sampling):
