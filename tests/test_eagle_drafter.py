@@ -165,6 +165,26 @@ def test_a_row_fed_again_takes_the_new_features(start):
     assert drafter.propose([req], [3], None, greedy).tokens[0].tolist() == world.reference(req, 3)
 
 
+def test_rounds_without_drafts_pile_features_up_without_copies():
+    """Plain rounds (no drafts) hand the drafter one feature a row each: kept as chunks, joined
+    once when the row drafts again (no copy of the whole pile per round), and the drafts then are
+    the head's alone."""
+    head = make_head("eagle", None)
+    world = World(head, [6], seed=5)
+    (req,) = world.reqs
+    greedy = BatchSampling.of([SamplingParams()], "cpu")
+    drafter = EagleDrafter(head, VOCAB)
+    drafter.prefill([req], [5], world.feats[0][None, :5])
+    for _ in range(12):
+        t = req.num_tokens - 1
+        drafter.observe([req], RoundOutcome([0], [0], hidden=world.feats[0][None, t:t + 1]))
+        req.token_ids.append(world.rng.randrange(VOCAB))
+    row = drafter.state[req.index]
+    assert len(row._chunks) == 13 and row.waiting == 12  # (one chunk a round: nothing was copied)
+    assert drafter.propose([req], [3], None, greedy).tokens[0].tolist() == world.reference(req, 3)
+    assert len(row._chunks) == 1
+
+
 def test_sampled_q_is_the_heads_softmax_and_zero_outside_its_vocabulary():
     head = make_head("eagle3", 120)
     world = World(head, [6, 4], seed=7)

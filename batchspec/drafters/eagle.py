@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -36,12 +35,29 @@ from ..sampling import BatchSampling, probabilities, sample
 from .base import DraftProposal, RoundOutcome
 
 
-@dataclass
 class _Row:
-    slot: int  # its row in the head's KV buffer
-    base: int  # position of the first feature the row holds (its entry 0 is x_{base+1})
-    pending: torch.Tensor  # [k, F] features of positions base + committed .. (not entered yet)
-    tail: torch.Tensor | None = None  # [1, F] the feature of the last committed entry (to enter it again)
+    """A request's row: its KV slot, its first feature's position, the features not entered yet
+    (`pending` [k, F], positions base + committed ..: kept as the chunks rounds add, joined when
+    read, so that rounds that do not draft cost no copy of what piled up), and `tail` [1, F], the
+    feature of the last committed entry (to enter it again)."""
+
+    def __init__(self, slot: int, base: int, feats: torch.Tensor) -> None:
+        self.slot, self.base, self.tail = slot, base, None
+        self.pending = feats
+
+    @property
+    def pending(self) -> torch.Tensor:
+        if len(self._chunks) > 1:
+            self._chunks = [torch.cat(self._chunks)]
+        return self._chunks[0]
+
+    @pending.setter
+    def pending(self, feats: torch.Tensor) -> None:
+        self._chunks, self.waiting = [feats], feats.shape[0]
+
+    def extend(self, feats: torch.Tensor) -> None:
+        self._chunks.append(feats)
+        self.waiting += feats.shape[0]
 
 
 class EagleDrafter:
@@ -68,7 +84,7 @@ class EagleDrafter:
     def _have(self, req: Request) -> int | None:
         """The first position whose feature the row lacks (None: no row)."""
         row = self.state.get(req.index)
-        return None if row is None else row.base + self._committed(req) + row.pending.shape[0]
+        return None if row is None else row.base + self._committed(req) + row.waiting
 
     def _add(self, req: Request, start: int, feats: torch.Tensor, replace: bool = False) -> None:
         """The target's features of positions start.. ([m, F]) for req's row. Overlapping what the
@@ -86,7 +102,7 @@ class EagleDrafter:
                 row.pending = torch.cat([row.pending[:keep - c], feats])
             return
         if have is not None and start <= have and not (replace and start <= row.base):
-            row.pending = torch.cat([row.pending, feats[have - start:]])  # follows what the row holds
+            row.extend(feats[have - start:])  # follows what the row holds
             return
         if row is None:
             slot = self.free.pop() if self.free else len(self.state) + len(self.free)
@@ -103,7 +119,7 @@ class EagleDrafter:
         for r, end in zip(reqs, upto):
             row = self.state[r.index]
             c = self._committed(r)
-            k = min(row.pending.shape[0], end - row.base - c)  # entries c.. up to position `end`
+            k = min(row.waiting, end - row.base - c)  # entries c.. up to position `end`
             if k <= 0 and row.tail is None:
                 raise RuntimeError(f"eagle: request {r.index} has nothing to enter")
             if k <= 0:  # everything is entered: enter the last entry again for its output
@@ -167,7 +183,7 @@ class EagleDrafter:
                                  f"{hidden.shape[1]} columns given; pass counts")
             self._add(r, start, hidden[i, :end - start], replace=counts is not None)
         ready = [(r, r.num_tokens - 1) for r in reqs if r.index in self.state]
-        ready = [(r, u) for r, u in ready if self.state[r.index].pending.shape[0]
+        ready = [(r, u) for r, u in ready if self.state[r.index].waiting
                  and u > self.state[r.index].base + self._committed(r)]
         if ready:
             self._enter([r for r, _ in ready], [u for _, u in ready])
