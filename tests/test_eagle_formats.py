@@ -74,6 +74,7 @@ def test_a_reduced_lm_head_is_saved_only_when_trained_and_in_the_dtype_asked(tmp
     save_head(head, tmp_path / "frozen", dtype=torch.bfloat16)
     weights = load_file(str(tmp_path / "frozen" / "model.safetensors"))
     assert "lm_head.weight" not in weights and weights["fusion_fc.weight"].dtype == torch.bfloat16
+    assert json.loads((tmp_path / "frozen" / "config.json").read_text())["dtype"] == "bfloat16"
     assert weights["d2t"].dtype == torch.int64  # (only floating weights change dtype)
     loaded = load_head(tmp_path / "frozen", target)
     assert torch.equal(loaded.lm_head.weight, rows)  # filled from the target it is loaded onto
