@@ -94,6 +94,39 @@ def test_the_head_never_trains_the_target():
     assert all(torch.equal(a, b) for a, b in zip(before, target.parameters()))
 
 
+def test_held_out_sets_are_held_out_whole_and_never_trained_on():
+    from batchspec.eagle.recipe import Recipe, _sources
+    from batchspec.prompts import load_prompts
+
+    class Plain:  # a tokenizer without a chat template: prompts are read as they are
+        chat_template = None
+
+        def __call__(self, text):
+            return {"input_ids": [len(text) % VOCAB, 1]}
+
+    sets, texts, own, earlier = _sources(Recipe(data="grounded,self:5", eval="chat"), Plain())
+    chat, grounded = len(load_prompts("chat")), len(load_prompts("grounded"))
+    assert [(len(ids), held) for ids, held in sets] == [(chat, chat), (grounded, 8)] and own == 5
+    with pytest.raises(ValueError, match="both training data"):
+        _sources(Recipe(data="chat", eval="chat"), Plain())
+    with pytest.raises(ValueError, match="not a prompt set"):
+        _sources(Recipe(data="chat", eval="mine.jsonl"), Plain())
+
+
+def test_a_float32_head_trains_under_autocast_over_a_bfloat16_target():
+    from batchspec.eagle.train import mixed
+
+    target = make_model("llama", 64, 2, seed=0)
+    assert not mixed(new_head(target, "eagle", seed=1))._enabled
+    half = make_model("llama", 64, 2, seed=0, dtype=torch.bfloat16)
+    head = new_head(half, "eagle", seed=1, dtype=torch.float32)
+    assert head.q_proj.weight.dtype == torch.float32 and mixed(head)._enabled
+    _, seqs = data(half, head.spec.layers, n=3)
+    loss, _ = losses(head, Batch(seqs, [(0, 0, seqs[0].entries)], "cpu"), TrainConfig())
+    loss.backward()
+    assert head.q_proj.weight.grad.dtype == torch.float32 and torch.isfinite(loss)
+
+
 @pytest.mark.slow
 def test_train_draft_command(tiny_dirs, tmp_path):
     from typer.testing import CliRunner
