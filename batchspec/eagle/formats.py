@@ -113,9 +113,10 @@ def save_head(head: EagleHead, path: str | Path, target_name: str | None = None,
         return path
     if layout != "speculators":
         raise ValueError(f"layout must be speculators or eagle, got {layout!r}")
+    weights_dtype = next(v for v in state.values() if v.is_floating_point()).dtype
     config = {
         "speculators_model_type": spec.kind, "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": layer, "dtype": str(next(v for v in state.values() if v.is_floating_point()).dtype).removeprefix("torch."),
+        "transformer_layer_config": layer, "dtype": str(weights_dtype).removeprefix("torch."),
         "speculators_config": {
             "algorithm": spec.kind,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
