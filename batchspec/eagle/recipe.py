@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,27 +51,62 @@ QUESTION = "Write one question that someone might ask an AI assistant about {}. 
 
 @dataclass
 class Recipe:
+    """What `batchspec train-draft` does (its options are these fields, cli/train_draft.py).
+
+    target          the target model (a folder, .gguf, hub id or a known model)
+    out             folder for data, checkpoints and the head
+    data            comma-separated: bundled, chat, grounded (prompts the target answers), self:N (N
+                    questions the target writes and answers), an earlier run's data.pt, or JSONL files
+                    of {"prompt"} or {"text"} (read teacher-forced) rows
+    eval            comma-separated prompt sets held out whole, answered only for the report (e.g.
+                    chat,grounded)
+    minutes         time budget: data, training and the report
+    kind            eagle (EAGLE-1) or eagle3
+    draft_vocab     draft over the N most frequent target tokens of the data (0: the full vocabulary)
+    resume          continue from the folder's data and checkpoint (same schedule)
+    holdout         prompts held out of each --data set (its last ones), answered for the report
+    samples         answers per training prompt: one greedy, the rest sampled at --temperature
+    temperature     temperature of the sampled answers
+    max_new_tokens  answer length cap
+    data_share      share of --minutes spent recording data (the greedy held-out answers always)
+    batch           rows the target answers at once
+    ttt             training-time-test steps (1: plain teacher forcing)
+    lr              peak learning rate (linear warm-up, cosine decay to 10 %)
+    freeze_lm_head  EAGLE-1: keep a reduced LM head at the target's rows (not trained, not saved)
+    steps           training steps (0: as many as the time budget allows, measured after 10 steps)
+    seed            seed of the head, the batches and the sampled answers
+    dtype           the target's dtype while recording and training: auto (bfloat16 where the CPU
+                    has AMX or AVX512-BF16, or on a GPU; else float32), float32, bfloat16, ...
+    device          where the recipe runs
+    """
+
     target: str | None = None
-    out: str = "eagle-head"
-    data: str = "chat,grounded,bundled"  # comma-separated: named prompt sets or JSONL files
-    eval: str = ""  # prompt sets held out whole (answered greedily for the report only)
-    minutes: float = 40.0
-    kind: str = "eagle"
-    draft_vocab: int | None = 8192  # None or >= vocab: the full vocabulary
+    out: str = field(default="eagle-head", metadata={"metavar": "DIR"})
+    data: str = field(default="chat,grounded,bundled", metadata={"metavar": "SETS"})
+    eval: str = field(default="", metadata={"metavar": "SETS"})
+    minutes: float = field(default=40.0, metadata={"metavar": "M"})
+    kind: str = field(default="eagle", metadata={"metavar": "KIND"})
+    draft_vocab: int = field(default=8192, metadata={"metavar": "N"})  # 0 or >= vocab: the full vocabulary
     resume: bool = False
-    holdout: int = 8  # prompts held out of each set (the last ones), answered greedily for the report
-    samples: int = 4  # answers per training prompt: 1 greedy, the rest sampled at `temperature`
-    temperature: float = 0.8
-    max_new_tokens: int = 192
-    data_share: float = 0.3
-    batch: int = 64  # rows generated at once
-    ttt: int = 1
-    lr: float = 1e-3
+    holdout: int = field(default=8, metadata={"metavar": "N"})
+    samples: int = field(default=4, metadata={"metavar": "K"})
+    temperature: float = field(default=0.8, metadata={"metavar": "T"})
+    max_new_tokens: int = field(default=192, metadata={"metavar": "N"})
+    data_share: float = field(default=0.3, metadata={"metavar": "F"})
+    batch: int = field(default=64, metadata={"metavar": "N"})
+    ttt: int = field(default=1, metadata={"metavar": "S"})
+    lr: float = field(default=1e-3, metadata={"metavar": "LR"})
     freeze_lm_head: bool = False
-    steps: int | None = None  # training steps (None: as many as the time left allows, measured)
-    seed: int = 0
-    dtype: str | None = None
+    steps: int | None = field(default=None, metadata={"metavar": "N", "none_as": 0})
+    seed: int = field(default=0, metadata={"metavar": "N"})
+    dtype: str | None = field(default=None, metadata={"metavar": "NAME", "none_as": "auto"})
     device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.minutes <= 0 or self.ttt < 1 or self.samples < 1 or self.batch < 1 or self.lr <= 0:
+            raise ValueError("--minutes and --lr must be > 0; --ttt, --samples and --batch >= 1")
+        if not 0 < self.data_share < 1:
+            raise ValueError(f"--data-share must be in (0, 1), got {self.data_share}")
 
 
 def _sources(recipe: Recipe, tokenizer) -> tuple[list[tuple[list[list[int]], int]], list[list[int]], int, list]:
