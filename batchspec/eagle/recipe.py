@@ -115,13 +115,16 @@ def _sources(recipe: Recipe, tokenizer) -> tuple[list[tuple[list[list[int]], int
     from ..prompts import chat_token_ids, load_prompts
 
     chat = getattr(tokenizer, "chat_template", None) is not None
+
+    def token_ids(prompts: list[str], use_chat: bool) -> list[list[int]]:
+        return chat_token_ids(tokenizer, prompts) if use_chat else [tokenizer(p)["input_ids"] for p in prompts]
+
     sets, texts, own, earlier = [], [], 0, []
     held_whole = [s.strip() for s in recipe.eval.split(",") if s.strip()]
     for name in held_whole:
         if name not in NAMED:
             raise ValueError(f"--eval {name!r} is not a prompt set ({', '.join(NAMED)})")
-        ids = chat_token_ids(tokenizer, load_prompts(name)) if chat and name != "bundled" else \
-            [tokenizer(p)["input_ids"] for p in load_prompts(name)]
+        ids = token_ids(load_prompts(name), chat and name != "bundled")
         sets.append((ids, len(ids)))
     for name in [s.strip() for s in recipe.data.split(",") if s.strip()]:
         if name in held_whole:
@@ -143,7 +146,7 @@ def _sources(recipe: Recipe, tokenizer) -> tuple[list[tuple[list[list[int]], int
             texts += [tokenizer(t)["input_ids"] for t in rows]
             use_chat = chat
         if prompts:
-            ids = chat_token_ids(tokenizer, prompts) if use_chat else [tokenizer(p)["input_ids"] for p in prompts]
+            ids = token_ids(prompts, use_chat)
             sets.append((ids, min(recipe.holdout, len(ids) // 4)))
     if not sets and not texts and not own and not earlier:
         raise ValueError(f"--data {recipe.data!r} names no prompts or texts")
