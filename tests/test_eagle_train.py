@@ -84,6 +84,24 @@ def test_resume_continues_the_same_schedule(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_a_time_budget_fixes_the_schedule_at_the_warm_ups_later_pace():
+    target = make_model("llama", 64, 4, seed=0)
+    _, seqs = data(target, (4,), n=2)
+    trainer = Trainer(new_head(target, "eagle", seed=2), seqs, TrainConfig(warmup=9, batch=2, window=16))
+    now = [0.0]
+    real = trainer.step
+
+    def step():  # (an injected clock: the first 3 steps take 10 s, later ones 1 s)
+        info = real()
+        now[0] += 10.0 if trainer.state.step <= 3 else 1.0
+        return info
+
+    trainer.step = step
+    state = trainer.run(40.0, clock=lambda: now[0])
+    # 36 s spent by step 9, at 1 s a step since step 3: 4 more steps fit (not 40 / (36 / 9) = 10 in all)
+    assert state.total == 13 and state.step == 13 and state.seconds == 40.0
+
+
 def test_the_head_never_trains_the_target():
     target = make_model("llama", 64, 4, seed=0)
     before = [p.clone() for p in target.parameters()]
@@ -96,6 +114,7 @@ def test_the_head_never_trains_the_target():
 
 def test_held_out_sets_are_held_out_whole_and_never_trained_on():
     from batchspec.eagle.recipe import Recipe, _sources
+    from batchspec.eagle.sources import package_docs
     from batchspec.prompts import load_prompts
 
     class Plain:  # a tokenizer without a chat template: prompts are read as they are
@@ -111,6 +130,29 @@ def test_held_out_sets_are_held_out_whole_and_never_trained_on():
         _sources(Recipe(data="chat", eval="chat"), Plain())
     with pytest.raises(ValueError, match="not a prompt set"):
         _sources(Recipe(data="chat", eval="mine.jsonl"), Plain())
+    with pytest.raises(ValueError, match="ask:N needs a chat model"):
+        _sources(Recipe(data="ask:3"), Plain())
+    sets, texts, own, _ = _sources(Recipe(data="docs"), Plain())
+    assert not sets and not own and len(texts) == len(package_docs()) > 10
+
+
+def test_ask_n_draws_every_form_and_topic_pair_once_before_repeating():
+    from batchspec.eagle.recipe import Recipe, _sources
+    from batchspec.eagle.sources import FORMS, TOPICS, instructions
+
+    pairs = len(FORMS) * len(TOPICS)
+    made = instructions(pairs + 3, seed=2)
+    assert len(set(made[:pairs])) == pairs and made[pairs:] == made[:3] and made == instructions(pairs + 3, seed=2)
+    assert instructions(5, seed=3) != made[:5]
+
+    class Chat:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return [7, len(messages[0]["content"]) % VOCAB]
+
+    sets, _, own, _ = _sources(Recipe(data="ask:40", holdout=4), Chat())
+    assert [(len(ids), held) for ids, held in sets] == [(40, 4)] and own == 0
 
 
 def test_a_float32_head_trains_under_autocast_over_a_bfloat16_target():

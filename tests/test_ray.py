@@ -120,6 +120,26 @@ def test_in_order_equal_to_one_process_and_a_dying_worker_is_retried(local_ray, 
 
 
 @pytest.mark.slow
+def test_an_eagle_head_drafts_on_the_workers_as_in_one_process(local_ray, prompts, greedy, tmp_path):
+    """`--drafter eagle:<dir>`: each worker loads the head from its folder, and drafts with it what
+    one process drafts (a random head: ragged, mostly rejected drafts), exactly."""
+    from batchspec.eagle.formats import save_head
+    from batchspec.eagle.head import new_head
+    from batchspec.models import load_pair
+
+    save_head(new_head(load_pair(need_draft=False).target, "eagle", seed=3), tmp_path)
+    config = {**CONFIG, "drafter": f"eagle:{tmp_path}"}
+    want = SpecEngine.from_pretrained(config=EngineConfig(**config)).generate(
+        prompts, SamplingParams(max_new_tokens=MAX_NEW))
+    ds = predict(prompt_dataset(prompts), workers=2, max_new_tokens=MAX_NEW, rows=4, **config)
+    rows = list(served_in_order(ds, len(prompts)))
+    assert [r["token_ids"] for r in rows] == [o.token_ids for o in greedy]
+    assert [(r["rounds"], r["drafted"], r["accepted"]) for r in rows] == \
+        [(o.stats.rounds, o.stats.drafted, o.stats.accepted) for o in want]
+    assert sum(r["drafted"] for r in rows) > 0
+
+
+@pytest.mark.slow
 def test_prompts_not_served_are_named(local_ray, prompts):
     """A worker that raises (a prompt too long for max_kv_tokens) fails the job, naming the ids."""
     ds = predict(prompt_dataset(prompts[:2]), workers=1, max_new_tokens=MAX_NEW, max_kv_tokens=8, **CONFIG)

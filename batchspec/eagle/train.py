@@ -180,25 +180,32 @@ class Trainer:
         top1 = float(correct[0].sum()) / max(1, int((batch.mask & (batch.argmax >= 0)).sum()))
         return {"step": state.step, "loss": float(loss.detach()), "top1": top1, "lr": lr}
 
-    def run(self, seconds: float | None, checkpoint=None, every_s: float = 180.0, on_step=None) -> TrainState:
-        """Train until `state.total` steps (fixed from `seconds` after 10 steps when not given), or
-        the time budget is spent; `checkpoint(self)` every `every_s` seconds and at the end."""
-        state = self.state
-        started = time.perf_counter()
+    def run(self, seconds: float | None, checkpoint=None, every_s: float = 180.0, on_step=None,
+            clock=time.perf_counter) -> TrainState:
+        """Train until `state.total` steps, or the time budget is spent; `checkpoint(self)` every
+        `every_s` seconds and at the end. Without a given total, the schedule is fixed from
+        `seconds` when the warm-up ends (the learning rate does not depend on it before), at the
+        pace of the warm-up's last two thirds: the first steps run slower (allocation, caches)."""
+        state, config = self.state, self.config
+        started = clock()
         last_save = started
         spent0 = state.seconds
+        mark, fix_at = max(1, config.warmup // 3), max(2, config.warmup)
+        spent_at_mark = 0.0
         while state.total is None or state.step < state.total:
-            t0 = time.perf_counter()
+            t0 = clock()
             info = self.step()
-            state.seconds += time.perf_counter() - t0
-            if state.total is None and state.step == 10 and seconds is not None:
-                per = state.seconds / state.step
-                state.total = max(state.step + 1, int(seconds / per))
+            state.seconds += clock() - t0
+            if state.step == mark:
+                spent_at_mark = state.seconds
+            if state.total is None and state.step == fix_at and seconds is not None:
+                per = (state.seconds - spent_at_mark) / (fix_at - mark)
+                state.total = max(state.step + 1, state.step + int((seconds - state.seconds) / per))
             if state.step % 10 == 0 or state.step == 1:
                 state.history.append(info)
             if on_step is not None:
                 on_step(info, state)
-            now = time.perf_counter()
+            now = clock()
             if checkpoint is not None and now - last_save > every_s:
                 checkpoint(self)
                 last_save = now
