@@ -59,7 +59,24 @@ def test_a_few_steps_lower_the_loss(kind):
         after = float(losses(head, fixed, trainer.config, train=False)[0])
     assert after < 0.9 * before
     report = evaluate(head, seqs[:2], gamma=3)
-    assert 0 <= report["top1"] <= 1 and sum(report["accept_hist"]) == report["bases"]
+    assert 0 <= report["top1"] <= 1 and sum(report["accept_hist"]) == report["rounds"]
+
+
+def test_the_report_walks_rounds_as_decoding_does(monkeypatch):
+    """`evaluate`'s docstring example: rounds start after the last round's accepted drafts and the
+    target's token, not at every entry (which would average 1.0 accepted here, not 2.0)."""
+    import batchspec.eagle.train as train
+
+    target = make_model("llama", 64, 4, seed=0)
+    head = new_head(target, "eagle", seed=1)
+    m = 7  # 6 entries
+    seq = train.Sequence(torch.zeros(m + 1, dtype=torch.long), torch.zeros(m, 64), None,
+                         torch.zeros(m, dtype=torch.long), 2)
+    ok = [torch.tensor([[1, 0, 1, 1, 0, 1]], dtype=torch.bool), torch.tensor([[0, 1, 1, 0, 1, 0]], dtype=torch.bool)]
+    monkeypatch.setattr(train, "losses", lambda *a, **k: (torch.tensor(0.0), ok))
+    report = train.evaluate(head, [seq], gamma=2)
+    assert (report["rounds"], report["accepted"], report["accept_hist"]) == (2, 2.0, [0, 0, 2])
+    assert report["accepted_every_start"] == 1.0 and report["top1"] == 4 / 6
 
 
 def test_resume_continues_the_same_schedule(tmp_path):

@@ -230,18 +230,35 @@ class Trainer:
         self.windows = windows(self.seqs, self.config.window)  # (the batches follow the saved config)
 
 
+def _chain(ok: torch.Tensor, b: int) -> int:
+    """Drafts accepted in a round from entry b: depths 0, 1, ... while ok[depth, b + depth]."""
+    gamma, k = ok.shape
+    a = 0
+    while a < gamma and b + a < k and bool(ok[a, b + a]):
+        a += 1
+    return a
+
+
 @torch.no_grad()
 def evaluate(head: EagleHead, seqs: list[Sequence], gamma: int = 4, window: int = 512) -> dict:
     """Held-out agreement on the target's own greedy text (`Sequence.start` on): teacher-forced
-    top-1 (the head's greedy token from the target's true features = the target's), and the
-    expected drafts accepted per pass at γ = `gamma` by greedy chain drafting: from each base entry
-    b in the answer, the head drafts from its own outputs (`EagleHead.forward`'s ttt steps), and
-    draft s is accepted while drafts 0..s are all the target's greedy tokens. Tokens per pass =
-    accepted + 1 (the target's own token)."""
+    top-1 (the head's greedy token from the target's true features = the target's), and drafts
+    accepted per verify pass at γ = `gamma` by greedy chain drafting as decoding walks the text:
+    a round starts at the answer's first entry, the head drafts from its own outputs
+    (`EagleHead.forward`'s ttt steps), draft s is accepted while drafts 0..s are all the target's
+    greedy tokens, and the next round starts after the a accepted drafts and the target's token.
+    Tokens per pass = accepted + 1. Rounds start where the last one's drafts went wrong, so they
+    accept less than the mean over every start (`accepted_every_start`): on SmolLM2's chat answers
+    0.48 against 0.59, and the engine measures 0.45.
+
+    Worked example, γ = 2, ok[s, e] (depth s correct from entry e), entries 0..5:
+        ok[0] = 1 0 1 1 0 1,  ok[1] = 0 1 1 0 1 0
+        round at 0: ok[0, 0] yes, ok[1, 1] yes -> 2 accepted; next at 3
+        round at 3: ok[0, 3] yes, ok[1, 4] yes -> 2; next at 6 (done): 2 rounds, 2.0 accepted each"""
     head.eval()
     config = TrainConfig(ttt=gamma, window=window)
     hits = total = 0
-    accepted = bases = 0
+    accepted = rounds = every = starts = 0
     hist = [0] * (gamma + 1)
     for s in seqs:
         for _, lo, k in windows([s], window):
@@ -252,12 +269,15 @@ def evaluate(head: EagleHead, seqs: list[Sequence], gamma: int = 4, window: int 
             hits += int(ok[0, first:].sum())
             total += max(0, k - first)
             for b in range(first, k - gamma + 1):
-                a = 0
-                while a < gamma and bool(ok[a, b + a]):
-                    a += 1
+                every += _chain(ok, b)
+                starts += 1
+            b = first
+            while b < k - gamma + 1:
+                a = _chain(ok, b)
                 accepted += a
                 hist[a] += 1
-                bases += 1
-    return {"top1": hits / max(1, total), "accepted": accepted / max(1, bases),
-            "tokens_per_pass": 1 + accepted / max(1, bases), "positions": total, "bases": bases,
-            "accept_hist": hist, "gamma": gamma}
+                rounds += 1
+                b += a + 1
+    return {"top1": hits / max(1, total), "accepted": accepted / max(1, rounds),
+            "tokens_per_pass": 1 + accepted / max(1, rounds), "positions": total, "rounds": rounds,
+            "accept_hist": hist, "accepted_every_start": every / max(1, starts), "gamma": gamma}
