@@ -417,7 +417,7 @@ class Recorder:
         return self.inner.offer(reqs, caps)
 
     def prefill(self, reqs, ends, hidden=None, counts=None):
-        self.inner.prefill(reqs, ends, hidden)
+        self.inner.prefill(reqs, ends, hidden, counts)
 
     def propose(self, reqs, lengths, uniforms, sampling):
         self.last = self.inner.propose(reqs, lengths, uniforms, sampling)

@@ -122,28 +122,24 @@ def _sources(recipe: Recipe, tokenizer) -> tuple[list[tuple[list[list[int]], int
         if name.startswith("self:") and name[5:].isdigit():
             own += int(name[5:])
             continue
-        if name == "docs":
-            texts += [tokenizer(t)["input_ids"] for t in package_docs()]
-            continue
-        if name.startswith("ask:") and name[4:].isdigit():
-            if not chat:
-                raise ValueError("ask:N needs a chat model (its tokenizer has no chat template)")
-            ids = token_ids(instructions(int(name[4:]), recipe.seed), True)
-            sets.append((ids, min(recipe.holdout, len(ids) // 4)))
-            continue
         if name.endswith(".pt") and Path(name).is_file():
             earlier.append(name)
             continue
-        if name in NAMED:
-            prompts = load_prompts(name)
-            use_chat = chat and name != "bundled"
-        else:
-            if not Path(name).is_file():
-                raise ValueError(f"--data {name!r} is neither a prompt set ({', '.join(NAMED)}), ask:N, self:N, "
-                                 "docs, an earlier run's data.pt nor a JSONL file")
+        prompts, rows, use_chat = [], [], chat  # (rows: texts read teacher-forced)
+        if name == "docs":
+            rows = package_docs()
+        elif name.startswith("ask:") and name[4:].isdigit():
+            if not chat:
+                raise ValueError("ask:N needs a chat model (its tokenizer has no chat template)")
+            prompts = instructions(int(name[4:]), recipe.seed)
+        elif name in NAMED:
+            prompts, use_chat = load_prompts(name), chat and name != "bundled"
+        elif Path(name).is_file():
             prompts, rows = read_texts(name)
-            texts += [tokenizer(t)["input_ids"] for t in rows]
-            use_chat = chat
+        else:
+            raise ValueError(f"--data {name!r} is neither a prompt set ({', '.join(NAMED)}), ask:N, self:N, "
+                             "docs, an earlier run's data.pt nor a JSONL file")
+        texts += [tokenizer(t)["input_ids"] for t in rows]
         if prompts:
             ids = token_ids(prompts, use_chat)
             sets.append((ids, min(recipe.holdout, len(ids) // 4)))
