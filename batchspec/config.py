@@ -20,8 +20,9 @@ class EngineConfig:
     window        exspec only: sequences kept in flight (>= batch_size); default 4 x batch_size.
     sort_by_length  admit prompts shortest first (outputs still return in input order).
     drafter       how drafts are proposed (batchspec.drafters): "hybrid" (default: suffix lookup
-                  where it finds a match, the draft model elsewhere while it pays), "draft_model",
-                  "ngram", "suffix", or "oracle:<p>", a synthetic drafter for overhead studies.
+                  where it finds a match, a model elsewhere while it pays: the draft model, else
+                  the target's EAGLE head), "draft_model", "ngram", "suffix", "eagle:<dir>" (an
+                  EAGLE draft head), or "oracle:<p>", a synthetic drafter for overhead studies.
     forward       how models run: "auto" (batchspec's lean forward for Llama-family models, the
                   transformers modules otherwise), "lean" (require it) or "hf" (always the modules);
                   see batchspec.core.forward.
@@ -74,9 +75,10 @@ class EngineConfig:
     sort_by_length: bool = field(default=False, metadata={
         "help": "Admit prompts shortest first (outputs keep input order)"})
     drafter: str = field(default="hybrid", metadata={
-        "help": "hybrid (suffix lookup where it matches, the draft model elsewhere while it pays), "
-                "draft_model, ngram[:min_n,max_n,k] (prompt lookup), suffix[:...] (suffix decoding over this "
-                "and earlier requests) or oracle:<p> (synthetic); parameters in docs/drafters.md",
+        "help": "hybrid (suffix lookup where it matches, a model elsewhere while it pays: the draft model, else "
+                "the target's shipped EAGLE head), draft_model, ngram[:min_n,max_n,k] (prompt lookup), suffix[:...] "
+                "(suffix decoding over this and earlier requests), eagle[:<dir>] (an EAGLE draft head) or "
+                "oracle:<p> (synthetic); parameters in docs/drafters.md",
         "metavar": "SPEC"})
     forward: str = field(default="auto", metadata={
         "help": "auto (batchspec's lean forward for Llama-family models, else transformers' modules), lean "

@@ -172,11 +172,13 @@ def test_a_free_draft_is_not_held_back_by_a_dear_one_of_equal_gain():
 def test_worth_offering_asks_whether_free_drafts_would_pay():
     """Lookups are made only when the plan of an optimistic offer (every row its cap, free) drafts:
     a draft step too dear for the model (0.5 s) does not keep them off, low rates do; a held row
-    always asks. A 'no' is remembered for the same rows until a round verifies drafts."""
+    always asks. A 'no' is remembered for the same rows until a round verifies drafts (or the
+    rounds asked about double: 64 asked before, these stay below 128)."""
     dear = policy_at(0.6, table=table(draft=0.5))
     assert dear.plan(fresh(8), [3] * 8, [None] * 8, [False] * 8).lengths == [0] * 8
     assert dear.worth_offering("k", fresh(8), [3] * 8, [False] * 8)
     low = policy_at(0.2, table=table(draft=0.5))
+    low._rounds = 64
     low.pair = pair_at(0.02)
     assert not low.worth_offering("k", fresh(8), [3] * 8, [False] * 8)
     assert low.worth_offering("k", fresh(8), [3] * 8, [True] + [False] * 7)
@@ -185,6 +187,35 @@ def test_worth_offering_asks_whether_free_drafts_would_pay():
     assert low.worth_offering("other", fresh(8), [3] * 8, [False] * 8)
     low.observe(Decision(8, [1] * 8, [False] * 8, True), [1] * 8, [1] * 8, [True] * 8, 0.0, 0.0)
     assert low.worth_offering("k", fresh(8), [3] * 8, [False] * 8)  # records changed: asked again
+
+
+def model_only(rate: float, drafts: int) -> dict[bool, AcceptanceRecord]:
+    """A pair record of a model's drafts alone: `drafts` first drafts, accepted at `rate`."""
+    rec = AcceptanceRecord()
+    rec.reached, rec.accepted = [drafts], [round(rate * drafts)]
+    return {False: rec}
+
+
+def test_worth_offering_prices_a_source_never_verified_at_its_prior():
+    """A hybrid whose first round offered no lookup (a prompt's end matches nothing) and whose model
+    drafts were rejected: its lookup has no record yet, yet is worth asking, at its prior's rate
+    (0.5 and up); a drafter whose only source is the model is not."""
+    hybrid = SpecPolicy(3, table(), pair=model_only(0.02, 1000), sources=(False, True))
+    assert hybrid.worth_offering("k", fresh(8), [3] * 8, [False] * 8)
+    model = SpecPolicy(3, table(), pair=model_only(0.02, 1000), sources=(False,))
+    assert not model.worth_offering("k", fresh(8), [3] * 8, [False] * 8)
+
+
+def test_a_source_that_looked_bad_early_is_asked_again_later():
+    """The spread grows as sqrt(ln t): 8 first drafts all rejected (priced 0.1 + 0.5 x 0.095 at
+    t = 1) are not worth asking about at b = 8 (free drafts pay from 0.2: 8 x 1.2 / 24 ms against
+    8 / 20 ms); once t passes ~80 (1.05 standard errors) the same record is worth a try, looked
+    at again when t reaches 128; once tried often (10,000 drafts rejected) it never is."""
+    policy = SpecPolicy(3, table(), pair=model_only(0.0, 8))
+    asked = [policy.worth_offering("k", fresh(8), [3] * 8, [False] * 8) for _ in range(2000)]
+    assert asked.index(True) == 127  # (the 128th round)
+    settled = SpecPolicy(3, table(), pair=model_only(0.0, 10_000))
+    assert not any(settled.worth_offering("k", fresh(8), [3] * 8, [False] * 8) for _ in range(2000))
 
 
 def test_held_rows_draft_their_cap_and_the_others_are_planned_around_them():

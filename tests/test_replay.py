@@ -9,12 +9,13 @@ import copy
 from pathlib import Path
 
 import pytest
-from tiny import pair, prompts
+from tiny import pair, prompts, references
 
 from batchspec import EngineConfig, SamplingParams, SpecEngine
+from batchspec.drafters.hybrid import Alongside, lookup_outcome
 from batchspec.sched.costs import CostTable
 from batchspec.sched.policy import SpecPolicy
-from batchspec.sched.replay import PolicyChooser, Trace, clairvoyant, compare, fixed, record, replay
+from batchspec.sched.replay import SOURCES, PolicyChooser, Trace, clairvoyant, compare, fixed, record, replay
 
 TRACES = sorted((Path(__file__).parent / "traces").glob("*.json"))
 
@@ -70,14 +71,84 @@ def test_the_policy_beats_plain_where_drafts_are_cheap_and_good():
     assert bad["policy"] >= 0.97 * bad["plain"]  # (a few rounds learn that drafts fail)
 
 
-@pytest.mark.parametrize("path", TRACES, ids=[p.stem for p in TRACES])
-def test_the_policy_is_near_the_oracle_on_recorded_traces(path):
+VIEWS = [(p, s) for p in TRACES for s in (SOURCES if Trace.load(p).alongside else SOURCES[:1])]
+
+
+@pytest.mark.parametrize("path,source", VIEWS, ids=[f"{p.stem}-{s}" for p, s in VIEWS])
+def test_the_policy_is_near_the_oracle_on_recorded_traces(path, source):
     """Issue 70's goals, on the shipped traces: within 5 % of the hindsight oracle's tokens per
-    second, and never more than 2 % below the best fixed γ."""
-    res = compare(Trace.load(path))
+    second, and never more than 2 % below the best fixed γ, for what the defaults run (a hybrid
+    trace as recorded, or as the hybrid drafts). A SmolLM2 trace recorded alongside replays as
+    its head alone too, and as its lookup alone: there only the first goal holds at batch 1,
+    where the head barely pays on this CPU (fixed γ = 1 makes 1.05x plain decoding) and the
+    policy, having seen its first few drafts rejected, spends ~100 rounds plain before trying it
+    again (0.97 of fixed γ = 1)."""
+    trace = Trace.load(path)
+    res = compare(trace.view(source))
     best = max(v for k, v in res.items() if k.startswith("fixed"))
     assert res["policy"] >= 0.95 * res["oracle"], res
-    assert res["policy"] >= 0.98 * best, res
+    if source == ("hybrid" if trace.alongside else "recorded"):
+        assert res["policy"] >= 0.98 * best, res
+
+
+def test_a_trace_recorded_alongside_replays_as_each_source():
+    """The view docstring's example: one row of a model's drafts (1 of 4 accepted) and the
+    lookup's (2 of 3 would be), one whose lookup found nothing."""
+    rows = [[7, 4, None, False, 1, [3, 2]], [8, 4, None, False, 1, [0, 0]]]
+    trace = Trace(4, _worked_trace().table, [{"rows": rows, "offer_s": 0.0, "draft_s": 0.004, "verify_s": 0.014,
+                                               "round_s": 0.019, "fused": False}])
+    assert trace.alongside and trace.sources == (False,)
+    assert trace.view("recorded").rounds[0]["rows"] == [[7, 4, None, False, 1], [8, 4, None, False, 1]]
+    hybrid = trace.view("hybrid")
+    assert hybrid.rounds[0]["rows"] == [[7, 4, 3, False, 2], [8, 4, None, False, 1]]
+    assert hybrid.sources == (False, True) and hybrid.run is trace.rounds  # (priced as the run went)
+    assert trace.view("lookup").rounds[0]["rows"] == [[7, 4, 3, False, 2], [8, 4, 0, False, 0]]
+    with pytest.raises(ValueError, match="one source per row"):
+        _worked_trace().view("hybrid")
+
+
+def test_a_lookup_proposal_is_judged_against_the_final_tokens():
+    """Alongside's example: 12 tokens held, [5, 9, 9] proposed, final tokens at 12.. [5, 9, 4]."""
+
+    class Req:
+        token_ids = list(range(12)) + [5, 9, 4, 1]
+    assert lookup_outcome(Req, 12, [5, 9, 9]) == (3, 2)
+    assert lookup_outcome(Req, 14, [4, 1, 3]) == (3, 2)  # (the row ended: nothing past it is accepted)
+    assert lookup_outcome(Req, 12, []) == (0, 0)
+
+
+def test_a_hybrid_is_recorded_alongside(monkeypatch):
+    """Recording a hybrid (suffix + draft model) drafts every row by the model, as `draft_model`
+    records the same rounds, and judges each lookup proposal against the target's own greedy
+    output (computed apart) at the position it was made for."""
+    p, ids = pair("llama"), prompts(8, seed=3, max_len=12)
+    config = EngineConfig(adaptive=False, gamma=3, batch_size=4, drafter="hybrid")
+    held, proposed = [], []  # per row asked: (request, its length then); what the lookup proposed
+    offer, take = Alongside.offer, Alongside.take
+
+    def spy_offer(self, reqs, caps):
+        held.extend((r, r.num_tokens) for r in reqs)
+        return offer(self, reqs, caps)
+
+    def spy_take(self):
+        got = take(self)
+        proposed.extend(f for _, _, f in got or [])
+        return got
+    monkeypatch.setattr(Alongside, "offer", spy_offer)
+    monkeypatch.setattr(Alongside, "take", spy_take)
+    trace = record(SpecEngine(p, config), ids, SamplingParams(max_new_tokens=24))
+    plain = record(SpecEngine(p, EngineConfig(**{**config.__dict__, "drafter": "draft_model"})), ids,
+                   SamplingParams(max_new_tokens=24))
+    assert [[r[:5] for r in rnd["rows"]] for rnd in trace.rounds] == [rnd["rows"] for rnd in plain.rounds]
+    looked = [r[5] for rnd in trace.rounds for r in rnd["rows"]]
+    assert all(0 <= a <= n <= r[1] for rnd in trace.rounds for r in rnd["rows"] for n, a in [r[5]])
+    assert sum(n for n, _ in looked) > 0 and sum(a for _, a in looked) > 0  # (random models repeat themselves)
+    finals = {tuple(q): q + out for q, out in zip(ids, references(p, ids, 24))}
+    assert len(held) == len(proposed) == len(looked)
+    for (req, at), proposal, got in zip(held, proposed, looked):
+        final = finals[tuple(req.token_ids[:req.prompt_len])][at:]  # the target's own tokens after the row's
+        a = next((j for j, (x, y) in enumerate(zip(proposal, final)) if x != y), min(len(proposal), len(final)))
+        assert got == [len(proposal), a]
 
 
 def test_the_goals_fail_a_policy_that_never_drafts():

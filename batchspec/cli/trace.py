@@ -55,7 +55,7 @@ def record(
 @app.command()
 def replay(traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help="Recorded traces (JSON)")]):
     """Tokens per second of the policy, plain decoding, every fixed γ and the oracles on each trace."""
-    from ..sched.replay import Trace, compare
+    from ..sched.replay import SOURCES, Trace, compare
 
     table = Table("trace", "rounds", "policy", "plain", "best fixed γ", "oracle", "clairvoyant",
                   "policy / oracle", "policy / best fixed")
@@ -64,9 +64,11 @@ def replay(traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help
             trace = Trace.load(path)
         except (OSError, ValueError, KeyError) as exc:
             fail(f"{path}: not a trace ({exc})")
-        res = compare(trace)
-        best = max((k for k in res if k.startswith("fixed")), key=res.get)
-        table.add_row(path.stem, str(len(trace.rounds)), f"{res['policy']:.1f}", f"{res['plain']:.1f}",
-                      f"{res[best]:.1f} ({best.split('=')[1]})", f"{res['oracle']:.1f}", f"{res['clairvoyant']:.1f}",
-                      f"{res['policy'] / res['oracle']:.3f}", f"{res['policy'] / res[best]:.3f}")
+        for source in SOURCES if trace.alongside else SOURCES[:1]:  # (a hybrid recorded alongside: each source)
+            res = compare(trace.view(source))
+            best = max((k for k in res if k.startswith("fixed")), key=res.get)
+            table.add_row(path.stem + (f" as {source}" if trace.alongside else ""), str(len(trace.rounds)),
+                          f"{res['policy']:.1f}", f"{res['plain']:.1f}", f"{res[best]:.1f} ({best.split('=')[1]})",
+                          f"{res['oracle']:.1f}", f"{res['clairvoyant']:.1f}", f"{res['policy'] / res['oracle']:.3f}",
+                          f"{res['policy'] / res[best]:.3f}")
     Console(width=max(console.width, 132)).print(table)

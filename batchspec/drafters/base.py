@@ -62,6 +62,7 @@ class Drafter(Protocol):
     label: str  # how outputs and reports name it
     synthetic: bool  # True for drafters that cheat (know the answer); reports must say so
     features: tuple[int, ...] | None  # target layers whose hidden states it drafts from; None: none
+    sources: tuple[bool, ...]  # what `offer` may name: True, a lookup's rows; False, rows a model step drafts
 
     def step_probe(self, rows: int, context: int) -> Callable[[], float] | None:
         """A function that runs one draft step of `rows` rows (one token each, over `context`

@@ -63,6 +63,7 @@ class _Row:
 class EagleDrafter:
     label = "eagle"
     synthetic = False
+    sources = (False,)
     name = "eagle"  # its key in `Request.kv_len`
 
     def __init__(self, head: EagleHead, vocab_size: int) -> None:

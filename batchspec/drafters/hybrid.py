@@ -41,6 +41,7 @@ class HybridDrafter:
     whoever drafted it, since it drafts from them."""
 
     synthetic = False
+    sources = (False, True)
 
     def __init__(self, model: DraftModelDrafter, lookup: LookupDrafter) -> None:
         self.model, self.lookup = model, lookup
@@ -99,3 +100,64 @@ class HybridDrafter:
 
     def forget(self) -> None:
         self.lookup.forget()
+
+
+class Alongside:
+    """A hybrid recorded for trace replay (sched/replay.py): its model drafts every row, and each
+    round its lookup is asked, alongside, what it would have proposed there (never verified). A
+    greedy row's output is the target's whatever was drafted, so afterwards each proposal's
+    accepted count is its common prefix with the row's final tokens (`lookup_outcomes`): the
+    trace then holds both sources' drafts for every row, and replay can compare the hybrid's
+    choice (the lookup wherever it matched) with any other.
+
+    Example: a row holding 12 tokens when the lookup proposed [5, 9, 9]; its final tokens at 12..
+    are [5, 9, 4, ...] -> (3 proposed, 2 accepted)."""
+
+    synthetic = False
+    sources = (False,)  # (the lookup is only asked alongside)
+
+    def __init__(self, hybrid: HybridDrafter) -> None:
+        if hybrid.model is None:
+            raise ValueError("a hybrid without a model drafts by its lookup alone: record it as it is")
+        self.model, self.lookup = hybrid.model, hybrid.lookup
+        self.features, self.label = self.model.features, hybrid.label
+        self._asked: list[tuple[Request, int, list[int]]] | None = None  # the last offer's rows
+
+    def step_probe(self, rows: int, context: int):
+        return self.model.step_probe(rows, context)
+
+    def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
+        self.lookup.offer(reqs, caps)
+        found = self.lookup.lookups(reqs, caps)
+        self._asked = [(r, r.num_tokens, f) for r, f in zip(reqs, found)]
+        return self.model.offer(reqs, caps)
+
+    def take(self) -> list[tuple[Request, int, list[int]]] | None:
+        """The last offer's (request, its length then, what the lookup proposed) per row, once."""
+        asked, self._asked = self._asked, None
+        return asked
+
+    def prefill(self, reqs: list[Request], ends: list[int], hidden=None, counts=None) -> None:
+        self.lookup.prefill(reqs, ends)
+        self.model.prefill(reqs, ends, hidden, counts)
+
+    def propose(self, reqs, lengths, uniforms, sampling) -> DraftProposal:
+        return self.model.propose(reqs, lengths, uniforms, sampling)
+
+    def observe(self, reqs: list[Request], outcome: RoundOutcome) -> None:
+        self.model.observe(reqs, outcome)
+
+    def release(self, req: Request) -> None:
+        self.model.release(req)
+        self.lookup.release(req)
+
+    def forget(self) -> None:
+        self.lookup.forget()
+
+
+def lookup_outcome(req: Request, at: int, proposal: list[int]) -> tuple[int, int]:
+    """(proposed, accepted): `proposal` made when `req` held `at` tokens, against its final tokens."""
+    final, a = req.token_ids[at:], 0
+    while a < len(proposal) and a < len(final) and proposal[a] == final[a]:
+        a += 1
+    return len(proposal), a

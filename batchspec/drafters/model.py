@@ -38,6 +38,7 @@ class DraftModelDrafter:
     label = "draft_model"
     synthetic = False
     features = None
+    sources = (False,)
 
     def __init__(self, runner: ModelRunner, window: int | None = None, forward: str = "auto") -> None:
         self.runner, self.forward = runner, forward  # (forward: how `step_probe` runs it, as the runner does)

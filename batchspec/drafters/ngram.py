@@ -102,6 +102,7 @@ class LookupDrafter:
 
     synthetic = False
     features = None
+    sources = (True,)
     device = None
     _found: tuple[tuple, list[list[int]]] | None = None  # the last offer: (its rows, what it found)
 

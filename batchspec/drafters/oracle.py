@@ -39,6 +39,7 @@ def bernoulli_mismatch(accept_prob: float, seed: int = 0) -> Mismatch:
 class OracleDrafter:
     synthetic = True
     features = None
+    sources = (False,)
 
     def __init__(self, references: MutableMapping[tuple[int, ...], list[int]], mismatch: Mismatch,
                  vocab_size: int, device, cost_model: DraftModelDrafter | None = None,

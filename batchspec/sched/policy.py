@@ -2,15 +2,17 @@
 
 Pure Python over the rows' acceptance records and the cost table (`costs.py`). Per round:
 
-    rate    r_ij = (a_ij + K p_j) / (n_ij + K),   p_j = (A_j + K p_{j-1}) / (N_j + K) + E σ_j,
-            p_1 = (A_1 + 1) / (N_1 + 2) + E σ_1,   σ_j = sqrt(p_j (1 - p_j) / (N_j + 2)):
+    rate    r_ij = (a_ij + K p_j) / (n_ij + K),   p_j = (A_j + K p_{j-1}) / (N_j + K) + E_t σ_j,
+            p_1 = (A_1 + 1) / (N_1 + 2) + E_t σ_1,   σ_j = sqrt(p_j (1 - p_j) / (N_j + 2)):
             row i's own record at draft position j (n_ij drafts verified there with every
             earlier one accepted, a_ij accepted: `core/request.py`,
             `AcceptanceRecord`), shrunk toward the pair's (N_j, A_j over every request so far) by
-            K = SHRINK drafts' worth, and the pair's toward the position before it, plus E =
-            EXPLORE standard errors: a position never verified is priced as the one before
-            (acceptance comes in runs, so later conditional rates are rarely lower) and a rate
-            resting on few drafts a little above its mean, so that an unlucky start is tried again.
+            K = SHRINK drafts' worth, and the pair's toward the position before it, plus E_t =
+            EXPLORE sqrt(max(1, ln t)) standard errors, t the rounds so far: a position never
+            verified is priced as the one before (acceptance comes in runs, so later conditional
+            rates are rarely lower) and a rate resting on few drafts a little above its mean,
+            more so as rounds pass (UCB's growth), so that a source that started unlucky is tried
+            again, ever more rarely, rather than never: plain rounds teach nothing about it.
             Lookup drafts and model drafts keep records apart (a hybrid's two sources differ)
     gain    G_ij = r_i1 ... r_ij: expected tokens that verifying d_i1..d_ij adds to the 1 token
             every row commits (acceptance stops at the first rejection)
@@ -37,6 +39,7 @@ Example, b = 8, D = 2 ms, V(8, n) = 20 + 4 (n - 1) ms, s = 0.5 ms, every rate 0.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..core.request import AcceptanceRecord
@@ -45,6 +48,7 @@ from .tetris import best_budget, cumulative, rate_of, select
 
 SHRINK = 16.0  # drafts' worth of the pair's rate that a row's own record starts from
 EXPLORE = 0.5  # standard errors added to the pair's rates: a rate resting on few drafts is tried
+GROWTH = 1.0  # the spread grows as sqrt(ln t / GROWTH), at least 1
 
 
 @dataclass
@@ -63,19 +67,29 @@ class SpecPolicy:
     table: CostTable | None = None  # None: fixed γ (every row its cap), or a budget alone
     budget: int | None = None  # TETRIS: at most this many drafts verified a round
     pair: dict[bool, AcceptanceRecord] = field(default_factory=dict)  # every request's record, by source
+    # the sources the drafter offers (True: a lookup, False: a model step), each priced optimistically
+    # (`worth_offering`) even before a draft of it was verified
+    sources: tuple[bool, ...] = (False,)
     _plain: tuple | None = None  # the rows for which an optimistic plan was plain, and the records' age then
     _age: int = 0  # rounds that verified drafts so far (records change only then)
+    _rounds: int = 0  # rounds asked about so far (`worth_offering`): t of the spread
 
     def prior(self, looked: bool) -> list[float]:
         """p_1 .. p_γ: the pair's rates for drafts from one source (see the module docstring)."""
         pair = self.pair.get(looked)
-        out, p = [], None
+        out, p, spread = [], None, self.spread()
         for j in range(self.gamma):
             big_n, big_a = (pair.reached[j], pair.accepted[j]) if pair and j < len(pair.reached) else (0, 0)
             p = (big_a + 1.0) / (big_n + 2.0) if p is None else (big_a + SHRINK * p) / (big_n + SHRINK)
-            p = min(1.0, p + EXPLORE * (p * (1.0 - p) / (big_n + 2.0)) ** 0.5)
+            p = min(1.0, p + spread * (p * (1.0 - p) / (big_n + 2.0)) ** 0.5)
             out.append(p)
         return out
+
+    def spread(self) -> float:
+        """E x sqrt(ln t) standard errors, t the rounds planned so far (at least 1 x E): as in UCB, a
+        rate rests on its evidence for a while, but a source that looked bad early is tried again
+        later, ever more rarely, since plain rounds teach nothing about it."""
+        return EXPLORE * max(1.0, math.log(max(self._rounds, 1)) / GROWTH) ** 0.5
 
     def gains(self, stats: list, looked: list[bool], caps: list[int]) -> list[list[float]]:
         """G_ij for each row (its request's `RequestStats`), up to its cap."""
@@ -93,20 +107,23 @@ class SpecPolicy:
 
     def worth_offering(self, key: tuple, stats: list, caps: list[int], held: list[bool]) -> bool:
         """Whether drafting could pay: the plan of an optimistic offer (every row its cap, drafted
-        free, at the better of the rates of the sources drafted so far) verifies something.
-        Remembered for the same rows until records change."""
+        free, at the best of its sources' rates: `sources`, and any drafted so far; a source never
+        verified at its prior) verifies something. A no is remembered for the same rows until
+        records change or t, the rounds asked about, doubles (the spread has grown since)."""
+        self._rounds += 1
         if self.table is None or any(held) or not any(caps):
             return True
-        if self._plain == (key, self._age):
+        key = (key, self._age, self._rounds.bit_length())  # (the spread grows: looked at again as t doubles)
+        if self._plain == key:
             return False
         if not self.pair:  # (nothing verified yet: try)
             return True
-        by_source = [self.gains(stats, [lk] * len(caps), caps) for lk in self.pair]
+        by_source = [self.gains(stats, [lk] * len(caps), caps) for lk in sorted(set(self.pair) | set(self.sources))]
         gains = [list(map(max, *rows)) if len(rows) > 1 else rows[0] for rows in zip(*by_source)]
         lengths, _ = best_budget(gains, self.table.round_s(len(caps)), len(caps), [False] * len(caps))
         if any(lengths):
             return True
-        self._plain = (key, self._age)
+        self._plain = key
         return False
 
     def plan(self, stats: list, caps: list[int], offer: list[int | None], held: list[bool]) -> Decision:

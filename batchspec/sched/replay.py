@@ -36,17 +36,53 @@ from .costs import CostTable
 from .policy import SpecPolicy
 from .tetris import best_budget, cumulative
 
-VERSION = 1
+VERSION = 2  # 2: rows may carry a 7th field, the hybrid's lookup alongside (1 reads as 2 without it)
+SOURCES = ("recorded", "hybrid", "lookup")  # what a trace recorded alongside can be replayed as
 
 
 @dataclass
 class Trace:
     gamma: int
     table: CostTable
-    # per round: {"rows": [[request, cap, offer, held, accepted], ...], "offer_s", "draft_s", "verify_s", "round_s",
-    # "fused": whether prompts joined its pass (their rows have cap 0; its seconds are no decoding round's)}
+    # per round: {"rows": [[request, cap, offer, held, accepted(, lookup)], ...], "offer_s", "draft_s", "verify_s",
+    # "round_s", "fused": whether prompts joined its pass (their rows have cap 0; its seconds are no decoding
+    # round's)}; lookup: [proposed, accepted] by a hybrid's lookup asked alongside its model (`record`), or None
     rounds: list[dict] = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # what was recorded (models, batch size, drafter, machine)
+    run: list[dict] | None = None  # a view's rounds as they ran (their seconds price it); None: `rounds`
+
+    @property
+    def alongside(self) -> bool:
+        """Whether rows carry a hybrid's lookup asked alongside (a trace `view` can replay)."""
+        return any(len(row) > 5 for rnd in self.rounds for row in rnd["rows"])
+
+    @property
+    def sources(self) -> tuple[bool, ...]:
+        """What its drafter offered (True: a lookup's rows, False: a model's), as `SpecPolicy.sources`."""
+        return tuple(sorted({row[2] is not None for rnd in self.rounds for row in rnd["rows"]}))
+
+    def view(self, source: str) -> Trace:
+        """The trace as if drafted by `source`: `recorded` (the model on every row), `hybrid` (the
+        lookup on the rows where it matched, as the engine's hybrid drafts; the model elsewhere) or
+        `lookup` (the lookup alone). Its rounds' seconds stay those the recorded run measured.
+
+        Example, a row [7, 4, None, False, 1, [3, 2]] (model drafts: 1 of 4 accepted; the lookup
+        proposed 3, 2 of them would be accepted): hybrid and lookup [7, 4, 3, False, 2]; a row
+        whose lookup found nothing, [7, 4, None, False, 1, [0, 0]]: hybrid keeps the model's
+        [7, 4, None, False, 1], lookup [7, 4, 0, False, 0]."""
+        if source not in SOURCES:
+            raise ValueError(f"a trace is replayed as one of {', '.join(SOURCES)}, not {source!r}")
+        if source != "recorded" and not self.alongside:
+            raise ValueError("this trace holds one source per row: record a hybrid with a model part to compare "
+                             "its sources")
+
+        def row(r: list) -> list:
+            lookup = r[5] if len(r) > 5 else None
+            if source == "recorded" or lookup is None or (source == "hybrid" and not lookup[0]):
+                return r[:5]
+            return [r[0], r[1], lookup[0], r[3], lookup[1]]
+        rounds = [{**rnd, "rows": [row(r) for r in rnd["rows"]]} for rnd in self.rounds]
+        return Trace(self.gamma, self.table, rounds, self.meta, self.run or self.rounds)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps({"version": VERSION, "gamma": self.gamma, "table": self.table.to_json(),
@@ -55,26 +91,43 @@ class Trace:
     @classmethod
     def load(cls, path: str | Path) -> Trace:
         data = json.loads(Path(path).read_text())
-        if data.get("version") != VERSION:
+        if data.get("version") not in (1, VERSION):
             raise ValueError(f"{path}: a trace of version {data.get('version')}, this batchspec reads {VERSION}")
         return cls(data["gamma"], CostTable.from_json(data["table"]), data["rounds"], data.get("meta", {}))
 
 
 class TraceRecorder:
-    """Set as `SpecEngine.trace` on an engine at fixed γ; every decoding round lands in `trace`."""
+    """Set as `SpecEngine.trace` on an engine at fixed γ; every decoding round lands in `trace`.
+    With `alongside` (a hybrid's `Alongside`: its model drafting every row), each row also gets
+    what the lookup proposed, its accepted count filled in by `finish` once outputs are final."""
 
-    def __init__(self, gamma: int, table: CostTable, meta: dict | None = None) -> None:
+    def __init__(self, gamma: int, table: CostTable, meta: dict | None = None, alongside=None) -> None:
         self.trace = Trace(gamma, table, meta=meta or {})
-        self._offer_s = 0.0
+        self.alongside = alongside
+        self._asked: list[tuple[list, tuple]] = []  # (trace row, (request, its length then, proposal))
 
     def record(self, batch, caps, offer, accepted, offer_s, draft_s, verify_s, round_s, fused) -> None:
+        asked = self.alongside.take() if self.alongside is not None else None
         if not any(caps):  # nothing to draft: no decision in it
             return
         offer = offer or [None] * len(batch)
         rows = [[r.index, c, o, r.params.seed is not None and not r.params.greedy, a]
                 for r, c, o, a in zip(batch, caps, offer, accepted)]
+        if asked is not None:
+            for row, ask in zip(rows, asked):
+                row.append(None)
+                self._asked.append((row, ask))
         self.trace.rounds.append({"rows": rows, "offer_s": offer_s, "draft_s": draft_s, "verify_s": verify_s,
                                   "round_s": round_s, "fused": fused})
+
+    def finish(self) -> Trace:
+        """The trace, each lookup proposal's [proposed, accepted] against its row's final tokens."""
+        from ..drafters.hybrid import lookup_outcome
+
+        for row, (req, at, proposal) in self._asked:
+            row[5] = list(lookup_outcome(req, at, proposal))
+        self._asked = []
+        return self.trace
 
 
 @dataclass
@@ -90,9 +143,9 @@ class _Costs:
     def of(cls, trace: Trace) -> _Costs:
         """Medians over the rounds (a first round can include one-off work, such as measuring kernels)."""
         table, ratios = trace.table, ([], [], [])
-        for rnd in (r for r in trace.rounds if not r["fused"]):  # (a joining prompt's pass measures no round)
-            lengths = [min(c, o) if o is not None else c for _, c, o, _, _ in rnd["rows"]]
-            model = [o is None and n > 0 for (_, _, o, _, _), n in zip(rnd["rows"], lengths)]
+        for rnd in (r for r in trace.run or trace.rounds if not r["fused"]):  # (a joining prompt's pass: no round)
+            lengths = [min(c, o) if o is not None else c for _, c, o, *_ in rnd["rows"]]
+            model = [o is None and n > 0 for (_, _, o, *_), n in zip(rnd["rows"], lengths)]
             fed = [sum(1 for n, m in zip(lengths, model) if m and n > j) for j in range(max(lengths))]
             if any(fed):
                 ratios[0].append(rnd["draft_s"] / sum(map(table.draft, fed)))
@@ -113,7 +166,7 @@ def replay(trace: Trace, choose, observe=None) -> float:
     looked, draft_s, verify_s), if given, learns what each round verified."""
     costs, stats, tokens, seconds = _Costs.of(trace), {}, 0, 0.0
     for rnd in trace.rounds:
-        ids, caps, offer, held, accepted = (list(x) for x in zip(*rnd["rows"]))
+        ids, caps, offer, held, accepted = (list(x) for x in zip(*(row[:5] for row in rnd["rows"])))
         records = [stats.setdefault(i, RequestStats()) for i in ids]
         lengths, asked = choose(ids, records, caps, offer, held, accepted, costs)
         got = [min(a, n) for a, n in zip(accepted, lengths)]
@@ -169,7 +222,7 @@ class Hindsight(SpecPolicy):
     """The policy's plan with each request's true per-position rates over the whole trace."""
 
     def __init__(self, trace: Trace) -> None:
-        super().__init__(trace.gamma, copy.deepcopy(trace.table))
+        super().__init__(trace.gamma, copy.deepcopy(trace.table), sources=trace.sources)
         self.truth, self.ids = _truth(trace), []
 
     def gains(self, stats, looked, caps):
@@ -184,7 +237,7 @@ class Hindsight(SpecPolicy):
 def compare(trace: Trace, policy: SpecPolicy | None = None) -> dict[str, float]:
     """Tokens per second over `trace` of the policy (default: the engine's, on the trace's table),
     plain decoding, every fixed γ, the hindsight oracle and the clairvoyant bound."""
-    chooser = PolicyChooser(policy or SpecPolicy(trace.gamma, copy.deepcopy(trace.table)))
+    chooser = PolicyChooser(policy or SpecPolicy(trace.gamma, copy.deepcopy(trace.table), sources=trace.sources))
     out = {"policy": replay(trace, chooser, chooser.observe)}
     for k in range(trace.gamma + 1):
         out[f"fixed γ={k}" if k else "plain"] = replay(trace, fixed(k))
@@ -198,7 +251,7 @@ def _truth(trace: Trace) -> dict[tuple[int, bool], AcceptanceRecord]:
     """Per (request, source): its acceptance over every recorded round at the recorded lengths."""
     out: dict[tuple[int, bool], AcceptanceRecord] = {}
     for rnd in trace.rounds:
-        for i, c, o, _, a in rnd["rows"]:
+        for i, c, o, _, a, *_ in rnd["rows"]:
             n = min(c, o) if o is not None else c
             if n:
                 out.setdefault((i, o is not None), AcceptanceRecord()).add(a, n)
@@ -207,7 +260,11 @@ def _truth(trace: Trace) -> dict[tuple[int, bool], AcceptanceRecord]:
 
 def record(engine, prompts, params, meta: dict | None = None) -> Trace:
     """Run `prompts` on `engine` (fixed γ: built with adaptive=False) and return the trace of its
-    rounds, with the cost table measured for its models (sched/profile.py)."""
+    rounds, with the cost table measured for its models (sched/profile.py). A hybrid with a model
+    part, on greedy requests, is recorded alongside: its model drafts every row and its lookup's
+    proposals are judged afterwards, so the trace can be replayed as either source (`Trace.view`)."""
+    from ..drafters.hybrid import Alongside, HybridDrafter
+    from ..sampling import SamplingParams
     from .profile import cost_table
 
     cfg = engine.config
@@ -216,12 +273,16 @@ def record(engine, prompts, params, meta: dict | None = None) -> Trace:
                          "to draft its cap")
     table = cost_table(engine.pair.target, engine.drafter, engine.pair.draft if engine.draft_runner else None,
                        cfg.batch_size, cfg.gamma, cfg.forward)
+    drafter, alongside = engine.drafter, None
+    greedy = all(p.greedy for p in (params if isinstance(params, (list, tuple)) else [params or SamplingParams()]))
+    if isinstance(drafter, HybridDrafter) and drafter.model is not None and greedy:
+        alongside = engine.drafter = Alongside(drafter)  # both sources on every row (`Trace.view`)
     recorder = TraceRecorder(cfg.gamma, copy.deepcopy(table), {"batch_size": cfg.batch_size, "drafter": cfg.drafter,
                                                                 "method": cfg.method, "recorded": time.time(),
-                                                                **(meta or {})})
+                                                                **(meta or {})}, alongside)
     engine.trace = recorder
     try:
         engine.generate(prompts, params)
     finally:
-        engine.trace = None
-    return recorder.trace
+        engine.trace, engine.drafter = None, drafter
+    return recorder.finish()
