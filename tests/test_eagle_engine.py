@@ -53,7 +53,7 @@ def test_a_hybrid_on_a_head_is_exact(head_dir, batch_size):
     engine = SpecEngine(p, EngineConfig(method="eqspec", batch_size=batch_size, gamma=3, adaptive=False,
                                         drafter=f"hybrid:suffix+eagle:{head_dir}", debug=True))
     assert isinstance(engine.drafter, HybridDrafter) and isinstance(engine.drafter.model, EagleDrafter)
-    assert engine.drafter.label.startswith("hybrid:suffix") and engine.drafter.label.endswith("eagle")
+    assert engine.drafter.label.startswith("hybrid:suffix") and "+eagle" in engine.drafter.label
     assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))] == refs
 
 
@@ -78,3 +78,25 @@ def test_the_default_drafter_takes_the_head_batchspec_ships_for_the_target(head_
 def test_a_hybrid_takes_only_a_head_after_its_plus():
     with pytest.raises(ValueError, match="after '\\+' must be an EAGLE head"):
         SpecEngine(pair("llama"), EngineConfig(drafter="hybrid:suffix+ngram"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_head_drafts_in_the_dtype_chosen_for_it_and_stays_exact(head_dir, dtype, monkeypatch):
+    """The registry drafts in `auto_dtype`'s choice (bfloat16 on a CPU with native bfloat16
+    matrices: forced both ways here): the head's weights in it, RoPE's frequencies and the target's
+    tensors untouched, the label saying so; greedy output equals target-only decoding, drafts
+    ragged (a random head)."""
+    import torch
+
+    from batchspec.drafters import eagle
+
+    monkeypatch.setattr(eagle, "native_bf16", lambda: dtype == "bfloat16")
+    p, ids = pair("llama"), prompts(12)
+    refs = references(p, ids, MAX_NEW)
+    engine = SpecEngine(p, EngineConfig(batch_size=3, gamma=3, adaptive=False, drafter=f"eagle:{head_dir}"))
+    head = engine.drafter.head
+    assert head.q_proj.weight.dtype == head.lm_head.weight.dtype == getattr(torch, dtype)
+    assert head.rotary.inv_freq.dtype == torch.float32 and head.embed.dtype == torch.float32
+    assert engine.drafter.label == ("eagle (bfloat16)" if dtype == "bfloat16" else "eagle")
+    assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))] == refs
+    assert engine.last_run.drafted > 0

@@ -124,7 +124,7 @@ def _head_path(arg: str, spec: str) -> str:
 
 def _build_eagle(path: str, ctx: BuildContext) -> Drafter:
     from ..eagle.formats import load_head
-    from .eagle import EagleDrafter
+    from .eagle import EagleDrafter, auto_dtype
 
     if ctx.target is None:
         raise ValueError("an EAGLE head needs the target model it drafts for")
@@ -133,7 +133,8 @@ def _build_eagle(path: str, ctx: BuildContext) -> Drafter:
         raise ValueError("drafter 'eagle' needs a head: eagle:<dir>, a folder in the speculators, EAGLE-1 or EAGLE-3 "
                          "layout (`batchspec train-draft --target T --out DIR` makes one); batchspec ships one "
                          "only for smollm2-135m")
-    return EagleDrafter(load_head(path, ctx.target), ctx.vocab_size)
+    head = load_head(path, ctx.target)
+    return EagleDrafter(head, ctx.vocab_size, auto_dtype(head))
 
 
 LOOKUPS = ("ngram", "suffix")  # the model-free drafters a hybrid can be built on

@@ -66,12 +66,16 @@ class EagleDrafter:
     sources = (False,)
     name = "eagle"  # its key in `Request.kv_len`
 
-    def __init__(self, head: EagleHead, vocab_size: int) -> None:
+    def __init__(self, head: EagleHead, vocab_size: int, dtype: torch.dtype | None = None) -> None:
         if head.embed is None:
             raise ValueError("attach the head to its target before drafting with it (head.attach(target))")
         self.head, self.vocab_size = head.eval(), vocab_size
         self.features: tuple[int, ...] = tuple(head.spec.layers)
         self.device = head.q_proj.weight.device
+        if dtype is not None and dtype != head.q_proj.weight.dtype:  # (`auto_dtype`: the default the CLI takes)
+            head.cast(dtype)
+            self.label = f"eagle ({str(dtype).removeprefix('torch.')})"
+        self.dtype = head.q_proj.weight.dtype
         self._ids = head.target_ids  # [V_draft] target id of each draft id, ascending (None: the same)
         self.kv = head.new_kv(rows=8, capacity=256)
         self.state: dict[int, _Row] = {}  # request index -> its row
@@ -91,7 +95,7 @@ class EagleDrafter:
         """The target's features of positions start.. ([m, F]) for req's row. Overlapping what the
         row holds: kept once, or (`replace`, a row the target fed again) these replace the row's
         from `start` on, and committed entries built on the old ones are uncommitted."""
-        feats = feats.detach().to(self.device)
+        feats = feats.detach().to(self.device, self.dtype)
         have = self._have(req)
         row = self.state.get(req.index)
         if replace and have is not None and row.base < start < have:
@@ -272,3 +276,23 @@ class EagleDrafter:
 
     def forget(self) -> None:
         pass  # nothing is learned across requests
+
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices natively (AVX-512 BF16 or AMX)."""
+    cpu = torch.cpu
+    return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def auto_dtype(head: EagleHead) -> torch.dtype | None:
+    """The dtype a head drafts in by default: bfloat16 for a float32 head on a CPU with native
+    bfloat16 matrix instructions, else its own (None). On an AMD EPYC with AVX-512 BF16 a step of
+    the SmolLM2 head takes 2.1 / 2.8 / 6.8 ms at 1 / 8 / 32 rows against 4.0 / 6.6 / 19.2 in
+    float32 (its LM head over 16,384 ids alone 0.4 against 2.3 ms at one row). Drafts are only
+    proposals: their precision changes how many are accepted, never what is emitted, and q is
+    the distribution they were drawn from, whatever its precision."""
+    weight = head.q_proj.weight
+    if weight.device.type == "cpu" and weight.dtype == torch.float32 and native_bf16():
+        return torch.bfloat16
+    return None

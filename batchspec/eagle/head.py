@@ -177,7 +177,16 @@ class EagleHead(nn.Module):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Layer outputs [..., H] -> draft logits [..., V_draft]."""
         x = self.norm(out) if self.norm is not None else out
-        return self.lm_head(x) if self.lm_head is not None else F.linear(x, self.target_head)
+        return self.lm_head(x) if self.lm_head is not None else F.linear(x.to(self.target_head.dtype), self.target_head)
+
+    def cast(self, dtype: torch.dtype) -> EagleHead:
+        """The head's own weights in `dtype` (its layer, norms and own LM head): RoPE's frequencies
+        stay float32 (HF computes the angles in float32 from them) and the target's tensors, held by
+        reference, stay the target's."""
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.RMSNorm)):
+                m.to(dtype)
+        return self
 
     def _inputs(self, tokens: torch.Tensor, hidden: torch.Tensor):
         """-> (the attention's input [.., n, attn_in], the residual [.., n, H])."""
