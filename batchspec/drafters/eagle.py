@@ -278,7 +278,6 @@ class EagleDrafter:
         pass  # nothing is learned across requests
 
 
-
 def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 matrices natively (AVX-512 BF16 or AMX)."""
     cpu = torch.cpu

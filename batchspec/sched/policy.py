@@ -48,7 +48,6 @@ from .tetris import best_budget, cumulative, rate_of, select
 
 SHRINK = 16.0  # drafts' worth of the pair's rate that a row's own record starts from
 EXPLORE = 0.5  # standard errors added to the pair's rates: a rate resting on few drafts is tried
-GROWTH = 1.0  # the spread grows as sqrt(ln t / GROWTH), at least 1
 
 
 @dataclass
@@ -70,7 +69,7 @@ class SpecPolicy:
     # the sources the drafter offers (True: a lookup, False: a model step), each priced optimistically
     # (`worth_offering`) even before a draft of it was verified
     sources: tuple[bool, ...] = (False,)
-    _plain: tuple | None = None  # the rows for which an optimistic plan was plain, and the records' age then
+    _plain: tuple | None = None  # the rows for which an optimistic plan was plain, the records' age and t's doubling
     _age: int = 0  # rounds that verified drafts so far (records change only then)
     _rounds: int = 0  # rounds asked about so far (`worth_offering`): t of the spread
 
@@ -86,10 +85,10 @@ class SpecPolicy:
         return out
 
     def spread(self) -> float:
-        """E x sqrt(ln t) standard errors, t the rounds planned so far (at least 1 x E): as in UCB, a
-        rate rests on its evidence for a while, but a source that looked bad early is tried again
+        """E sqrt(max(1, ln t)) standard errors, t the rounds asked about so far: as in UCB, a rate
+        rests on its evidence for a while, but a source that looked bad early is tried again
         later, ever more rarely, since plain rounds teach nothing about it."""
-        return EXPLORE * max(1.0, math.log(max(self._rounds, 1)) / GROWTH) ** 0.5
+        return EXPLORE * max(1.0, math.log(max(self._rounds, 1))) ** 0.5
 
     def gains(self, stats: list, looked: list[bool], caps: list[int]) -> list[list[float]]:
         """G_ij for each row (its request's `RequestStats`), up to its cap."""

@@ -20,6 +20,14 @@ host being the recorded rounds' mean time beyond their stages. Competitors: `fix
 k <= γ; `oracle`, the same plan with each request's true per-position rates over the whole trace
 (what the best rate-based plan could know); `clairvoyant`, which knows each round's a_i (the
 bound no plan reaches). Greedy and sampled rows replay alike.
+
+A hybrid with a model part is recorded *alongside* (`record`, drafters/hybrid.py `Alongside`):
+the model drafts every row, the lookup is asked what it would have proposed, and each proposal
+is judged afterwards against the row's final tokens (a greedy row's output is the target's, so
+that is what the target would have accepted). `Trace.view` then replays the same rounds as the
+model alone, as the hybrid drafts them (the lookup where it matched), or as the lookup alone:
+which source a row should take is settled on one recording, not on runs the machine's noise
+tells apart.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from .costs import CostTable
 from .policy import SpecPolicy
 from .tetris import best_budget, cumulative
 
-VERSION = 2  # 2: rows may carry a 7th field, the hybrid's lookup alongside (1 reads as 2 without it)
+VERSION = 2  # 2: rows may carry a 6th field, the lookup asked alongside (a version 1 trace reads as one without)
 SOURCES = ("recorded", "hybrid", "lookup")  # what a trace recorded alongside can be replayed as
 
 
