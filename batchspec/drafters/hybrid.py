@@ -106,7 +106,7 @@ class Alongside:
     """A hybrid recorded for trace replay (sched/replay.py): its model drafts every row, and each
     round its lookup is asked, alongside, what it would have proposed there (never verified). A
     greedy row's output is the target's whatever was drafted, so afterwards each proposal's
-    accepted count is its common prefix with the row's final tokens (`lookup_outcomes`): the
+    accepted count is its common prefix with the row's final tokens (`lookup_outcome`): the
     trace then holds both sources' drafts for every row, and replay can compare the hybrid's
     choice (the lookup wherever it matched) with any other.
 
