@@ -127,8 +127,7 @@ class Alongside:
         return self.model.step_probe(rows, context)
 
     def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
-        self.lookup.offer(reqs, caps)
-        found = self.lookup.lookups(reqs, caps)
+        found = self.lookup.lookups(reqs, caps)  # (every row looked up; rows at cap 0 find nothing)
         self._asked = [(r, r.num_tokens, f) for r, f in zip(reqs, found)]
         return self.model.offer(reqs, caps)
 

@@ -53,7 +53,8 @@ def instructions(count: int, seed: int = 0) -> list[str]:
     them (len(FORMS) x len(TOPICS) = 1,968) have been used."""
     pairs = [(f, t) for f in FORMS for t in TOPICS]
     order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(seed)).tolist()
-    return [pairs[order[i % len(pairs)]][0].format(pairs[order[i % len(pairs)]][1]) for i in range(count)]
+    chosen = [pairs[order[i % len(pairs)]] for i in range(count)]
+    return [form.format(topic) for form, topic in chosen]
 
 
 def package_docs(min_chars: int = 400, max_chars: int = 6000) -> list[str]:
