@@ -54,11 +54,12 @@ def record(
 
 @app.command()
 def replay(traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help="Recorded traces (JSON)")]):
-    """Tokens per second of the policy, plain decoding, every fixed γ and the oracles on each trace."""
+    """Tokens per second of the policy, plain decoding (on the recorded rounds, and on its own
+    schedule: autoregressive), every fixed γ and the oracles on each trace."""
     from ..sched.replay import SOURCES, Trace, compare
 
-    table = Table("trace", "rounds", "policy", "plain", "best fixed γ", "oracle", "clairvoyant",
-                  "policy / oracle", "policy / best fixed")
+    table = Table("trace", "rounds", "policy", "plain", "autoregressive", "best fixed γ", "oracle", "clairvoyant",
+                  "policy / oracle", "policy / best fixed", "policy / autoregressive")
     for path in traces:
         try:
             trace = Trace.load(path)
@@ -68,7 +69,9 @@ def replay(traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help
             res = compare(trace.view(source))
             best = max((k for k in res if k.startswith("fixed")), key=res.get)
             table.add_row(path.stem + (f" as {source}" if trace.alongside else ""), str(len(trace.rounds)),
-                          f"{res['policy']:.1f}", f"{res['plain']:.1f}", f"{res[best]:.1f} ({best.split('=')[1]})",
-                          f"{res['oracle']:.1f}", f"{res['clairvoyant']:.1f}", f"{res['policy'] / res['oracle']:.3f}",
-                          f"{res['policy'] / res[best]:.3f}")
+                          f"{res['policy']:.1f}", f"{res['plain']:.1f}", f"{res['autoregressive']:.1f}",
+                          f"{res[best]:.1f} ({best.split('=')[1]})", f"{res['oracle']:.1f}",
+                          f"{res['clairvoyant']:.1f}",
+                          f"{res['policy'] / res['oracle']:.3f}", f"{res['policy'] / res[best]:.3f}",
+                          f"{res['policy'] / res['autoregressive']:.3f}")
     Console(width=max(console.width, 132)).print(table)
