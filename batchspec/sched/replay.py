@@ -196,9 +196,9 @@ def replay(trace: Trace, choose, observe=None) -> float:
 def autoregressive(trace: Trace) -> float:
     """Tokens per second of plain decoding of the trace's requests on its own schedule: each request
     emits what it emitted in the recorded run (its rows' accepted + 1 over the rounds as they ran,
-    whatever `Trace.view` replays); slots are
-    filled in request order, every active row gains one token a round, and a finished row's slot
-    takes the next request the round after; each round priced as replay prices a plain one. A
+    whatever `Trace.view` replays); slots are filled in request order, every active row gains one
+    token a round, and a finished row's slot takes the next request the round after; each round
+    is priced as replay prices a plain one. A
     speculative run's rows finish unevenly, so its rounds run part-empty while its last requests
     finish; plain decoding of requests of equal length does not. `replay(trace, fixed(0))` keeps
     the recorded rounds (their occupancy): the two agree at batch 1, and at batch 32 on the SmolLM2
