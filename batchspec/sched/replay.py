@@ -198,11 +198,11 @@ def autoregressive(trace: Trace) -> float:
     emits what it emitted in the recorded run (its rows' accepted + 1 over the rounds as they ran,
     whatever `Trace.view` replays); slots are filled in request order, every active row gains one
     token a round, and a finished row's slot takes the next request the round after; each round
-    is priced as replay prices a plain one. A
-    speculative run's rows finish unevenly, so its rounds run part-empty while its last requests
-    finish; plain decoding of requests of equal length does not. `replay(trace, fixed(0))` keeps
-    the recorded rounds (their occupancy): the two agree at batch 1, and at batch 32 on the SmolLM2
-    mixed-set trace the recorded rounds make plain decoding 6 % slower than its own schedule.
+    is priced as replay prices a plain one. A speculative run's rows finish unevenly, so its
+    rounds run part-empty while its last requests finish; plain decoding of requests of equal
+    length does not. `replay(trace, fixed(0))` keeps the recorded rounds (their occupancy): the
+    two agree at batch 1, and at batch 32 on the SmolLM2 mixed-set trace the recorded rounds make
+    plain decoding 6 % slower than its own schedule.
 
     Example, 2 slots, requests emitting 3, 1, 2 tokens: round 1 rows (3, 1); the second finishes,
     the third joins: round 2 (2, 2), round 3 (1, 1): 6 tokens in 3 rounds of 2 rows."""
