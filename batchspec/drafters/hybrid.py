@@ -102,7 +102,7 @@ class HybridDrafter:
         self.lookup.forget()
 
 
-class Alongside:
+class Alongside(HybridDrafter):
     """A hybrid recorded for trace replay (sched/replay.py): its model drafts every row, and each
     round its lookup is asked, alongside, what it would have proposed there (never verified). A
     greedy row's output is the target's whatever was drafted, so afterwards each proposal's
@@ -113,18 +113,14 @@ class Alongside:
     Example: a row holding 12 tokens when the lookup proposed [5, 9, 9]; its final tokens at 12..
     are [5, 9, 4, ...] -> (3 proposed, 2 accepted)."""
 
-    synthetic = False
     sources = (False,)  # (the lookup is only asked alongside)
 
     def __init__(self, hybrid: HybridDrafter) -> None:
         if hybrid.model is None:
             raise ValueError("a hybrid without a model drafts by its lookup alone: record it as it is")
-        self.model, self.lookup = hybrid.model, hybrid.lookup
-        self.features, self.label = self.model.features, hybrid.label
+        super().__init__(hybrid.model, hybrid.lookup)
+        self.label = hybrid.label
         self._asked: list[tuple[Request, int, list[int]]] | None = None  # the last offer's rows
-
-    def step_probe(self, rows: int, context: int):
-        return self.model.step_probe(rows, context)
 
     def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
         found = self.lookup.lookups(reqs, caps)  # (every row looked up; rows at cap 0 find nothing)
@@ -136,22 +132,11 @@ class Alongside:
         asked, self._asked = self._asked, None
         return asked
 
-    def prefill(self, reqs: list[Request], ends: list[int], hidden=None, counts=None) -> None:
-        self.lookup.prefill(reqs, ends)
-        self.model.prefill(reqs, ends, hidden, counts)
-
     def propose(self, reqs, lengths, uniforms, sampling) -> DraftProposal:
         return self.model.propose(reqs, lengths, uniforms, sampling)
 
     def observe(self, reqs: list[Request], outcome: RoundOutcome) -> None:
         self.model.observe(reqs, outcome)
-
-    def release(self, req: Request) -> None:
-        self.model.release(req)
-        self.lookup.release(req)
-
-    def forget(self) -> None:
-        self.lookup.forget()
 
 
 def lookup_outcome(req: Request, at: int, proposal: list[int]) -> tuple[int, int]:
