@@ -188,13 +188,13 @@ class SpecEngine:
         self.check_request(ids, params)
         return self._add(ids, params, prompt if isinstance(prompt, str) else None)
 
-    def _add(self, ids: list[int], params: SamplingParams, text: str | None) -> int:
+    def _add(self, ids: list[int], params: SamplingParams, text: str | None, job: bool = False) -> int:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(self.pair.eos_token_ids)
         tok = self.pair.tokenizer
         with self._lock:
-            req = Request(self._next_id, list(ids), params, frozenset(stop), prompt=text,
+            req = Request(self._next_id, list(ids), params, frozenset(stop), prompt=text, job=job,
                           generator=None if params.greedy else make_generator(params.seed),
                           text=TextStream(tok, params.stop) if tok is not None else None)
             self._next_id += 1
@@ -243,7 +243,8 @@ class SpecEngine:
             self._prefill_drafter(fused, [r.num_tokens - 1 for r in fused])
         batch = self._arrange(self.scheduler.next_batch() + fused, stats)
         if batch:
-            run_round(batch, self.target, self.drafter, self.policy, self.gamma, self.timer, stats, self.trace)
+            run_round(batch, self.target, self.drafter, self.policy, self.gamma, self.timer, stats, self.trace,
+                      self._draining(batch))
         stats.peak_kv_tokens = self.kv_tokens_in_use()
         outputs.extend(self._report(r) for r in batch)
         for r in batch:
@@ -256,6 +257,15 @@ class SpecEngine:
         for sink in (self.stats, *self._runs):
             sink.merge(stats)
         return outputs
+
+    def _draining(self, batch: list[Request]) -> bool:
+        """Whether this round's batch is a job's last (`SpecPolicy.worth`): every request in
+        flight came with a closed set of prompts (`submit`, `generate`: no more will come), none
+        waits, and all run in this batch. A server's requests (`add_request`) never drain: more
+        may arrive at any moment, and each one's own latency is what matters."""
+        resident = self.scheduler.resident
+        return (not self._inbox and not len(self.scheduler) and len(batch) == len(resident)
+                and all(r.job for r in resident))
 
     def _take_inbox(self, stats: RunStats) -> list[Request]:
         """Take in queued requests and aborts; returns the requests that ended here."""
@@ -460,7 +470,8 @@ class SpecEngine:
         """Queue every prompt, all validated before any is queued (as `generate` does); returns
         their request ids, in order. For callers that drive `step()` themselves."""
         encoded, params = self._prepare(prompts, params, references)
-        return [self._add(ids, sp, p if isinstance(p, str) else None) for ids, sp, p in zip(encoded, params, prompts)]
+        return [self._add(ids, sp, p if isinstance(p, str) else None, job=True)
+                for ids, sp, p in zip(encoded, params, prompts)]
 
     @contextmanager
     def recording(self) -> Iterator[RunStats]:

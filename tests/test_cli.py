@@ -237,3 +237,23 @@ def test_derived_groups_stack_on_one_command():
     result = runner.invoke(toy, ["--gamma", "3", "--no-adaptive", "--port", "1", "--name", "y"])
     assert result.exit_code == 0, result.output
     assert built == [("y", EngineConfig(gamma=3, adaptive=False), Toy(port=1))]
+
+
+def test_trace_records_and_replays_a_walk(tiny_dirs, tmp_path):
+    """`trace record --walk` writes a walk; `trace replay` reads it beside a trace, a row per view."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    base = ["trace", "record", "--target", tiny_dirs["target"], "--draft", tiny_dirs["draft"], "--prompts",
+            str(prompts), "--num-prompts", "4", "--max-new-tokens", "6", "--batch-size", "2", "--gamma", "2",
+            "--drafter", "draft_model"]
+    walk, trace = tmp_path / "w.json", tmp_path / "t.json"
+    for args in (base + ["--walk", "--out", str(walk)], base + ["--out", str(trace)]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+    assert json.loads(walk.read_text())["kind"] == "walk"
+    result = runner.invoke(app, ["trace", "replay", str(walk), str(trace)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "w as model" in result.output and "│ t " in result.output
+    (tmp_path / "x.json").write_text("[1, 2]")
+    result = runner.invoke(app, ["trace", "replay", str(tmp_path / "x.json")])
+    assert result.exit_code == 2 and "not a trace" in result.output, result.output

@@ -528,8 +528,8 @@ def test_the_hybrid_looks_up_before_the_policy_plans():
         rounds.append({"offer": offer(reqs, caps), "caps": list(caps), "finds": finds[0]})
         return rounds[-1]["offer"]
 
-    def planning(stats, caps, offered, held):
-        decision = plan(stats, caps, offered, held)
+    def planning(stats, caps, offered, held, left=None):
+        decision = plan(stats, caps, offered, held, left)
         rounds[-1]["decision"] = decision
         return decision
 

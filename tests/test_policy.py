@@ -470,7 +470,7 @@ def test_adaptive_and_budgets_keep_greedy_exact(method, options):
 
 def ragged_plan(policy):
     """A plan forced to ragged lengths: even rows 1 draft, odd rows 2 (each within its cap)."""
-    def plan(stats, caps, offer, held):
+    def plan(stats, caps, offer, held, left=None):
         caps = [c if o is None else min(c, o) for c, o in zip(caps, offer)]
         lengths = [min(c, 1 + i % 2) for i, c in enumerate(caps)]
         return Decision(len(caps), lengths, [o is None and n > 0 for o, n in zip(offer, lengths)], False)

@@ -3,6 +3,7 @@ policy on recorded rounds against every fixed γ and the oracles (batchspec/sche
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -29,12 +30,16 @@ def record(
     num_prompts: Annotated[int | None, typer.Option("--num-prompts", metavar="N", help="First N prompts")] = None,
     chat: Chat = False,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", metavar="N", help="Tokens per prompt")] = 48,
+    walk: Annotated[bool, typer.Option("--walk", help="Record a walk: the drafter asked at every position, "
+                                                      "nothing verified (sched/walk.py)")] = False,
     dtype: Dtype = "auto", device: Device = "auto",
     engine: dict | None = None,
 ):
-    """Run the prompts at fixed γ (every row drafts its cap) and write every round to --out."""
+    """Run the prompts at fixed γ (every row drafts its cap) and write every round to --out; with
+    --walk, ask the drafter at every position of every request instead (a walk)."""
     from ..prompts import chat_token_ids
     from ..sched.replay import record as record_trace
+    from ..sched.walk import record as record_walk
 
     try:
         texts = read_prompts(None, prompts, num_prompts)
@@ -45,7 +50,8 @@ def record(
         inputs = chat_token_ids(eng.pair.tokenizer, texts) if chat else texts
         meta = {"target": target or "bundled", "draft": draft, "prompts": prompts or "bundled", "chat": chat,
                 "num_prompts": len(texts), "max_new_tokens": max_new_tokens}
-        trace = record_trace(eng, inputs, sampling_params(max_new_tokens, 0.0, 0, 1.0, None, len(texts)), meta)
+        trace = (record_walk if walk else record_trace)(
+            eng, inputs, sampling_params(max_new_tokens, 0.0, 0, 1.0, None, len(texts)), meta)
         trace.save(out)
     except ValueError as exc:
         fail(str(exc))
@@ -53,14 +59,19 @@ def record(
 
 
 @app.command()
-def replay(traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help="Recorded traces (JSON)")]):
+def replay(traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help="Recorded traces or walks (JSON)")]):
     """Tokens per second of the policy, plain decoding (on the recorded rounds, and on its own
-    schedule: autoregressive), every fixed γ and the oracles on each trace."""
+    schedule: autoregressive), every fixed γ and the oracles on each trace; on a walk, the rows
+    advance by what each plan accepts, and plain decoding is the engine's own."""
+    from ..sched import walk as walks
     from ..sched.replay import SOURCES, Trace, compare
 
     table = Table("trace", "rounds", "policy", "plain", "autoregressive", "best fixed γ", "oracle", "clairvoyant",
                   "policy / oracle", "policy / best fixed", "policy / autoregressive")
     for path in traces:
+        if _is_walk(path):
+            _walk_rows(table, path, walks)
+            continue
         try:
             trace = Trace.load(path)
         except (OSError, ValueError, KeyError) as exc:
@@ -75,3 +86,25 @@ def replay(traces: Annotated[list[Path], typer.Argument(metavar="TRACE...", help
                           f"{res['policy'] / res['oracle']:.3f}", f"{res['policy'] / res[best]:.3f}",
                           f"{res['policy'] / res['autoregressive']:.3f}")
     Console(width=max(console.width, 132)).print(table)
+
+
+def _is_walk(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("kind") == "walk"
+    except (OSError, ValueError, AttributeError) as exc:
+        fail(f"{path}: not a trace ({exc})")
+
+
+def _walk_rows(table: Table, path: Path, walks) -> None:
+    """A walk's rows in the replay table: `plain` and `autoregressive` are the same there."""
+    try:
+        walk = walks.Walk.load(path)
+    except (OSError, ValueError, KeyError) as exc:
+        fail(f"{path}: not a walk ({exc})")
+    for view in walk.views:
+        res = walks.compare(walk, view)
+        best = max((k for k in res if k.startswith("fixed")), key=res.get)
+        table.add_row(f"{path.stem} as {view}", str(len(walk.rounds)), f"{res['policy']:.1f}", f"{res['plain']:.1f}",
+                      f"{res['plain']:.1f}", f"{res[best]:.1f} ({best.split('=')[1]})", f"{res['oracle']:.1f}",
+                      f"{res['clairvoyant']:.1f}", f"{res['policy'] / res['oracle']:.3f}",
+                      f"{res['policy'] / res[best]:.3f}", f"{res['policy'] / res['plain']:.3f}")

@@ -99,6 +99,7 @@ class Request:
     slot: int | None = None  # its row in every model's KV buffer while resident (core/rows.py)
     prompt_len: int = 0
     reported: int = 0
+    job: bool = False  # one of a closed set of prompts (`SpecEngine.submit`): its batch can drain
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.token_ids)

@@ -44,9 +44,10 @@ def draft_lengths(batch: list[Request], gamma: int, rope_limit: int | None = Non
 
 
 def run_round(batch: list[Request], target, drafter, policy, gamma: int, timer, stats: RunStats,
-              trace=None) -> None:
+              trace=None, drain: bool = False) -> None:
     """Advance every request of `batch` (in slot order) by one round; counters go to `stats`.
-    `drafter` and `policy` are None for plain decoding; `trace` (sched/replay.py) records it."""
+    `drafter` and `policy` are None for plain decoding; `trace` (sched/replay.py) records it;
+    `drain`: no request waits, and the policy prices tokens by the rounds left (`SpecPolicy.worth`)."""
     started, device, b = time.perf_counter(), target.device, len(batch)
     sampling = BatchSampling.of([r.params for r in batch], device)
     u = None if sampling.all_greedy else draw_uniforms([r.generator for r in batch], 2 * gamma + 1, device)
@@ -54,15 +55,16 @@ def run_round(batch: list[Request], target, drafter, policy, gamma: int, timer, 
     caps = [0 if lead else n for n, lead in zip(draft_lengths(batch, gamma, target.rope_limit), leads)]
     held = [n > 0 and r.params.seed is not None and not r.params.greedy for r, n in zip(batch, caps)]
     records = [r.stats for r in batch]
+    left = [r.remaining for r in batch] if drain else None
     # schedule and plan: what the drafter offers, and how far each row drafts
     lengths, decision, offer, offer_s = [0] * b, None, None, 0.0
     if drafter is not None and any(caps) and policy.worth_offering(tuple(r.index for r in batch), records, caps,
-                                                                   held):
+                                                                   held, left):
         tick = time.perf_counter()
         with timer.stage("draft"):
             offer = drafter.offer(batch, caps)
         offer_s = time.perf_counter() - tick
-        decision = policy.plan(records, caps, offer, held)
+        decision = policy.plan(records, caps, offer, held, left)
         lengths = decision.lengths
     # draft and prune: a drafter may find fewer tokens than planned for some rows
     draft_s, looked, planned = 0.0, [o is not None for o in offer or [None] * b], list(lengths)

@@ -142,8 +142,8 @@ class TraceRecorder:
 
 
 @dataclass
-class _Costs:
-    """A trace's cost table, scaled to what its rounds measured."""
+class RoundCosts:
+    """A run's cost table, scaled to what its rounds measured (a trace's: `of`; a walk's: `Walk.costs`)."""
 
     table: CostTable
     draft_ratio: float
@@ -151,7 +151,7 @@ class _Costs:
     host_s: float
 
     @classmethod
-    def of(cls, trace: Trace) -> _Costs:
+    def of(cls, trace: Trace) -> RoundCosts:
         """Medians over the rounds (a first round can include one-off work, such as measuring kernels)."""
         table, ratios = trace.table, ([], [], [])
         for rnd in (r for r in trace.run or trace.rounds if not r["fused"]):  # (a joining prompt's pass: no round)
@@ -175,7 +175,7 @@ def replay(trace: Trace, choose, observe=None) -> float:
     """Tokens per second of `choose` over the trace: choose(ids, records, caps, offer, held,
     accepted, costs) -> (lengths, whether the offer was asked for); observe(lengths, accepted,
     looked, draft_s, verify_s), if given, learns what each round verified."""
-    costs, stats, tokens, seconds = _Costs.of(trace), {}, 0, 0.0
+    costs, stats, tokens, seconds = RoundCosts.of(trace), {}, 0, 0.0
     for rnd in trace.rounds:
         ids, caps, offer, held, accepted = (list(x) for x in zip(*(row[:5] for row in rnd["rows"])))
         records = [stats.setdefault(i, RequestStats()) for i in ids]
@@ -206,7 +206,7 @@ def autoregressive(trace: Trace) -> float:
 
     Example, 2 slots, requests emitting 3, 1, 2 tokens: round 1 rows (3, 1); the second finishes,
     the third joins: round 2 (2, 2), round 3 (1, 1): 6 tokens in 3 rounds of 2 rows."""
-    costs, left = _Costs.of(trace), {}
+    costs, left = RoundCosts.of(trace), {}
     for rnd in trace.run or trace.rounds:  # (a view's rows say what its source would accept, not what ran)
         for row in rnd["rows"]:
             left[row[0]] = left.get(row[0], 0) + row[4] + 1
@@ -227,13 +227,13 @@ class PolicyChooser:
     def __init__(self, policy: SpecPolicy) -> None:
         self.policy, self._decision = policy, None
 
-    def __call__(self, ids, records, caps, offer, held, accepted, costs):
+    def __call__(self, ids, records, caps, offer, held, accepted, costs, left=None):
         if isinstance(self.policy, Hindsight):  # (it reads the truth by request)
             self.policy.ids = ids
-        if not any(caps) or not self.policy.worth_offering(tuple(ids), records, caps, held):
+        if not any(caps) or not self.policy.worth_offering(tuple(ids), records, caps, held, left):
             self._decision = None
             return [0] * len(caps), False
-        self._decision = self.policy.plan(records, caps, offer, held)
+        self._decision = self.policy.plan(records, caps, offer, held, left)
         return self._decision.lengths, True
 
     def observe(self, lengths, accepted, looked, draft_s, verify_s) -> None:
@@ -243,12 +243,12 @@ class PolicyChooser:
 
 def fixed(k: int):
     """Every row drafts min(k, its cap, what its lookup found); k = 0 is plain decoding."""
-    def choose(ids, records, caps, offer, held, accepted, costs):
+    def choose(ids, records, caps, offer, held, accepted, costs, left=None):
         return [min(k, c, o) if o is not None else min(k, c) for c, o in zip(caps, offer)], k > 0
     return choose
 
 
-def clairvoyant(ids, records, caps, offer, held, accepted, costs):
+def clairvoyant(ids, records, caps, offer, held, accepted, costs, left=None):
     """Knows each row's accepted count: gains 1 up to it, 0 after."""
     caps = [min(c, o) if o is not None else c for c, o in zip(caps, offer)]
     gains = [[1.0 if j < a else 0.0 for j in range(c)] for a, c in zip(accepted, caps)]
@@ -258,11 +258,13 @@ def clairvoyant(ids, records, caps, offer, held, accepted, costs):
 
 
 class Hindsight(SpecPolicy):
-    """The policy's plan with each request's true per-position rates over the whole trace."""
+    """The policy's plan with each request's true per-position rates over the whole run: `truth`,
+    per (request, whether a lookup drafted), its record (`_truth` of a trace, `Walk.truth`)."""
 
-    def __init__(self, trace: Trace) -> None:
-        super().__init__(trace.gamma, copy.deepcopy(trace.table), sources=trace.sources)
-        self.truth, self.ids = _truth(trace), []
+    def __init__(self, gamma: int, table: CostTable, sources: tuple[bool, ...],
+                 truth: dict[tuple[int, bool], AcceptanceRecord]) -> None:
+        super().__init__(gamma, copy.deepcopy(table), sources=sources)
+        self.truth, self.ids = truth, []
 
     def gains(self, stats, looked, caps):
         out = []
@@ -281,7 +283,7 @@ def compare(trace: Trace, policy: SpecPolicy | None = None) -> dict[str, float]:
     out = {"policy": replay(trace, chooser, chooser.observe), "autoregressive": autoregressive(trace)}
     for k in range(trace.gamma + 1):
         out[f"fixed γ={k}" if k else "plain"] = replay(trace, fixed(k))
-    oracle = PolicyChooser(Hindsight(trace))
+    oracle = PolicyChooser(Hindsight(trace.gamma, trace.table, trace.sources, _truth(trace)))
     out["oracle"] = replay(trace, oracle, oracle.observe)
     out["clairvoyant"] = replay(trace, clairvoyant)
     return out

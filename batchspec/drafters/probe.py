@@ -1,0 +1,98 @@
+"""A drafter asked at every position and verified nowhere: what a walk records (sched/walk.py).
+
+`Probe` wraps an engine's drafter. Each round its model part (a draft model or an EAGLE head)
+drafts every row to its cap, and its lookup part (a hybrid's, or a lookup drafter itself) is
+asked what it would propose; both are kept, and the round verifies none of them: `propose`
+says every row found 0 tokens, so the target's pass is a plain step and each row gains exactly
+one token. A run then visits every position of every request, and afterwards each proposal is
+judged against its row's final tokens (`lookup_outcome`: a greedy row's output is the target's,
+whatever was drafted, so its common prefix is what the target would have accepted there).
+
+The drafters underneath keep their state exact as in any round that accepted nothing: a model
+part commits u + min(0, n - 1) of what it fed, a head keeps the features of the newest token.
+
+Example, γ 2, one row holding 5 tokens whose final tokens from 5 on are [7, 8, 9]: the head
+drafts [7, 3], the lookup proposes [7, 8]; the pass commits 7 alone. Judged: the head (2
+proposed, 1 accepted), the lookup (2, 2).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.request import Request
+from .base import DraftProposal, RoundOutcome
+
+
+class Probe:
+    """`model`: a drafter whose rows cost a step (None: none); `lookup`: a `LookupDrafter` (None:
+    none). `take()` hands over each round's asks: (request, its length then, the model's
+    proposal or None, the lookup's or None) per row."""
+
+    synthetic = False
+
+    def __init__(self, model, lookup) -> None:
+        if model is None and lookup is None:
+            raise ValueError("a probe needs a model part, a lookup, or both")
+        self.model, self.lookup = model, lookup
+        self.features = model.features if model is not None else None
+        self.sources = (False,)  # (every row is "drafted" by a step, or by nothing: a plain pass)
+        self.label = "probe:" + (model.label if model is not None else lookup.label)
+        self._asked: list[tuple[Request, int, list[int] | None, list[int] | None]] | None = None
+
+    @classmethod
+    def of(cls, drafter) -> Probe:
+        """The probe of an engine's drafter: a hybrid's two parts, a lookup alone or a model alone."""
+        from .hybrid import HybridDrafter
+        from .ngram import LookupDrafter
+
+        if isinstance(drafter, HybridDrafter):
+            return cls(drafter.model, drafter.lookup)
+        if isinstance(drafter, LookupDrafter):
+            return cls(None, drafter)
+        if getattr(drafter, "synthetic", False):
+            raise ValueError(f"{drafter.label} knows the answer: a walk of it would say nothing")
+        return cls(drafter, None)
+
+    def step_probe(self, rows: int, context: int):
+        return self.model.step_probe(rows, context) if self.model is not None else None
+
+    def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
+        found = self.lookup.lookups(reqs, caps) if self.lookup is not None else [None] * len(reqs)
+        self._asked = [(r, r.num_tokens, None, f) for r, f in zip(reqs, found)]
+        return [None] * len(reqs)  # (fixed γ: every row is planned at its cap)
+
+    def prefill(self, reqs: list[Request], ends: list[int], hidden=None, counts=None) -> None:
+        if self.lookup is not None:
+            self.lookup.prefill(reqs, ends)
+        if self.model is not None:
+            self.model.prefill(reqs, ends, hidden, counts)
+
+    def propose(self, reqs: list[Request], lengths: list[int], uniforms, sampling) -> DraftProposal:
+        b = len(reqs)
+        if self.model is not None and any(lengths):
+            drafted = self.model.propose(reqs, lengths, uniforms, sampling)
+            rows = drafted.tokens.tolist()
+            cut = drafted.lengths or lengths
+            self._asked = [(r, at, row[:min(n, m)], f) for (r, at, _, f), row, n, m in
+                           zip(self._asked, rows, lengths, cut)]
+        device = self.model.device if self.model is not None else None
+        return DraftProposal(torch.zeros(b, 0, dtype=torch.long, device=device), None, [0] * b, looked=[False] * b)
+
+    def take(self) -> list[tuple[Request, int, list[int] | None, list[int] | None]] | None:
+        """The last round's asks, once."""
+        asked, self._asked = self._asked, None
+        return asked
+
+    def observe(self, reqs: list[Request], outcome: RoundOutcome) -> None:
+        if self.model is not None:
+            self.model.observe(reqs, outcome)
+
+    def release(self, req: Request) -> None:
+        for part in (self.model, self.lookup):
+            if part is not None:
+                part.release(req)
+
+    def forget(self) -> None:
+        if self.lookup is not None:
+            self.lookup.forget()

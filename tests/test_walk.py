@@ -1,0 +1,214 @@
+"""Walks (batchspec/sched/walk.py): the drafter probed at every position, and policies simulated
+with rows advancing by what they accept; and the drain pricing they settled (`SpecPolicy.worth`).
+
+Deterministic and clock-free: a walk prices rounds from its cost table and recorded ratios.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+from tiny import pair, prompts, references
+
+from batchspec import EngineConfig, SamplingParams, SpecEngine
+from batchspec.core.request import RequestStats
+from batchspec.drafters.probe import Probe
+from batchspec.sched.costs import CostTable
+from batchspec.sched.policy import SpecPolicy
+from batchspec.sched.replay import PolicyChooser, fixed
+from batchspec.sched.replay import record as record_trace
+from batchspec.sched.walk import Walk, compare, record, simulate
+
+WALKS = sorted((Path(__file__).parent / "walks").glob("*.json"))
+
+
+def _worked_walk() -> Walk:
+    """The module docstring's example: one slot, γ 2, a request of 4 tokens whose model accepts
+    1, 0, 2 at k = 0, 1, 2 (caps 2, 2, 1; k = 3 is its last token, cap 0). Every stage took what
+    the table says, plus 1 ms a round."""
+    table = CostTable((1,), (1, 2, 3), {(1, 1): 0.010, (1, 2): 0.012, (1, 3): 0.014}, {1: 0.002})
+    at = {0: [2, 1, None, None], 1: [2, 0, None, None], 2: [1, 2, None, None]}
+    rnd = {"rows": 1, "caps": [2], "offer_s": 0.0, "draft_s": 0.004, "verify_s": 0.010, "round_s": 0.015,
+           "fused": False}
+    return Walk(2, table, {0: {"emitted": 4, "limit": 4, "at": at}}, [rnd] * 3, {"batch_size": 1})
+
+
+def test_a_walk_moves_rows_by_what_they_accept():
+    """fixed γ 2: k 0 accepts 1 (to k 2), k 2 (cap 1) accepts 1 (to k 4): 4 tokens in 2 rounds of
+    (2 steps) 4 + 14 + 1 and 2 + 12 + 1 ms; plain decoding 4 rounds of 11 ms; fixed γ 1: k 0 +2,
+    k 2 +2, 2 rounds of 2 + 12 + 1 ms."""
+    walk = _worked_walk()
+    assert simulate(walk, fixed(2)) == pytest.approx(4 / (0.019 + 0.015))
+    assert simulate(walk, fixed(0)) == pytest.approx(4 / (4 * 0.011))
+    assert simulate(walk, fixed(1)) == pytest.approx(4 / (2 * 0.015))
+
+
+def test_a_walk_reads_each_view():
+    """One position, the model's 4 drafts accepting 1, the lookup's 3 accepting 2; one where the
+    lookup found nothing."""
+    walk = _worked_walk()
+    walk.requests[0]["at"] = {0: [4, 1, 3, 2], 1: [4, 1, 0, 0]}
+    assert walk.views == ("model", "hybrid", "lookup")
+    assert walk.ask(0, 0, "model") == (4, None, 1)
+    assert walk.ask(0, 0, "hybrid") == walk.ask(0, 0, "lookup") == (4, 3, 2)
+    assert walk.ask(0, 1, "hybrid") == (4, None, 1) and walk.ask(0, 1, "lookup") == (4, 0, 0)
+    assert walk.ask(0, 2, "hybrid") == (0, None, 0)  # (never asked there: no draft)
+    with pytest.raises(ValueError, match="simulated as model"):
+        simulate(_worked_walk(), fixed(1), "hybrid")
+
+
+@pytest.mark.parametrize("drafter,view", [("draft_model", "model"), ("suffix", "lookup")])
+def test_a_walk_at_fixed_gamma_is_the_run_at_fixed_gamma(drafter, view, tmp_path):
+    """Walked at fixed γ, the simulated rounds are the real run's at fixed γ, row for row: the
+    same requests in each round, with the same caps and the same accepted counts. A probe's
+    proposals are what the drafter would have drafted there, and the simulation fills, advances
+    and frees slots as the engine does. (Prompts join rounds, some at cap 0.) It loads back equal."""
+    p, ids = pair("llama"), prompts(8, seed=3, max_len=12)
+    config = EngineConfig(adaptive=False, gamma=3, batch_size=4, drafter=drafter)
+    walk = record(SpecEngine(p, config), ids, SamplingParams(max_new_tokens=24))
+    trace = record_trace(SpecEngine(p, config), ids, SamplingParams(max_new_tokens=24))
+    real = [[(r[0], r[1] if r[2] is None else min(r[1], r[2]), r[4]) for r in rnd["rows"]] for rnd in trace.rounds]
+    simulated = []
+
+    def spy(ids_, records, caps, offer, held, accepted, costs, left=None):
+        lengths, asked = fixed(3)(ids_, records, caps, offer, held, accepted, costs)
+        simulated.append([(i, c if o is None else min(c, o), min(a, n))
+                          for i, c, o, a, n in zip(ids_, caps, offer, accepted, lengths)])
+        return lengths, asked
+
+    simulate(walk, spy, view)
+    assert simulated == real
+    assert sum(a for rnd in real for _, _, a in rnd) > 0  # (some drafts accepted: rows moved unevenly)
+    walk.save(tmp_path / "w.json")
+    back = Walk.load(tmp_path / "w.json")
+    assert back.requests == walk.requests and back.gamma == walk.gamma  # (seconds kept to 0.1 µs)
+    assert compare(back, view) == pytest.approx(compare(walk, view), rel=1e-3)
+
+
+def test_a_probe_judges_every_position_against_the_final_tokens(monkeypatch):
+    """A hybrid walked: each row gains one token a round (the output is the target's), every
+    position but the last is asked, and each proposal's accepted count is its common prefix with
+    the target's own greedy output (computed apart)."""
+    p, ids = pair("llama", "perturbed"), prompts(6, seed=4, max_len=12)
+    asked = []
+    take = Probe.take
+
+    def spy(self):
+        got = take(self)
+        asked.extend(got or [])
+        return got
+    monkeypatch.setattr(Probe, "take", spy)
+    engine = SpecEngine(p, EngineConfig(adaptive=False, gamma=3, batch_size=3, drafter="hybrid"))
+    walk = record(engine, ids, SamplingParams(max_new_tokens=16))
+    finals = {tuple(q): q + out for q, out in zip(ids, references(p, ids, 16))}
+    assert all(r["emitted"] == 16 and set(range(1, 15)) <= set(r["at"]) for r in walk.requests.values())
+    judged = 0
+    for req, at, model, lookup in asked:
+        final = finals[tuple(req.token_ids[:req.prompt_len])][at:]
+        cap, a_model, n_lookup, a_lookup = walk.requests[req.index]["at"][at - req.prompt_len]
+        for proposal, got in ((model, a_model), (lookup, a_lookup)):
+            want = next((j for j, (x, y) in enumerate(zip(proposal, final)) if x != y), min(len(proposal), len(final)))
+            assert got == want and len(proposal) <= cap
+            judged += len(proposal) > 0
+        assert n_lookup == len(lookup)
+    assert judged > 0 and any(a for r in walk.requests.values() for _, a, _, _ in r["at"].values())
+
+
+def test_walks_need_greedy_rows_and_fixed_gamma():
+    engine = SpecEngine(pair("llama"), EngineConfig(gamma=3, batch_size=2, drafter="draft_model"))
+    with pytest.raises(ValueError, match="fixed γ"):
+        record(engine, prompts(2), SamplingParams(max_new_tokens=4))
+    engine = SpecEngine(pair("llama"), EngineConfig(adaptive=False, gamma=3, batch_size=2, drafter="draft_model"))
+    with pytest.raises(ValueError, match="greedy"):
+        record(engine, prompts(2), SamplingParams(max_new_tokens=4, temperature=1.0, seed=1))
+
+
+VIEWS = [(p, v) for p in WALKS for v in Walk.load(p).views]
+
+
+@pytest.mark.parametrize("path,view", VIEWS, ids=[f"{p.stem}-{v}" for p, v in VIEWS])
+def test_the_policy_on_recorded_walks(path, view):
+    """Issues 70 and 71's goals on the shipped walks (tests/walks: the bundled pair's hybrid and
+    SmolLM2's default hybrid of the suffix lookup and its head, at batch 1, 8 and 32), rows
+    moving as the policy's plans move them: within 5 % of the hindsight oracle in every view, and
+    for what the defaults run (the hybrid) never more than 2 % below the best fixed γ nor below
+    0.98x plain decoding. (The bundled lookup alone at 32 rows: 0.97 of fixed γ = 2.)"""
+    walk = Walk.load(path)
+    res = compare(walk, view)
+    best = max(v for k, v in res.items() if k.startswith("fixed"))
+    assert res["policy"] >= 0.95 * res["oracle"], res
+    if view == "hybrid":
+        assert res["policy"] >= 0.98 * best, res
+        assert res["policy"] >= 0.98 * res["plain"], res
+
+
+def test_a_draining_batch_prices_tokens_by_the_rounds_left():
+    """`worth`'s example: V(k) = 20 + 5 k ms, rows left 30, 30 and 2 tokens: [1.29, 1.29, 0.43];
+    while requests wait (left None) every token is worth 1; one row alone is worth 1."""
+    table = CostTable((1, 2, 3), (1, 2), {(k, c): 0.020 + 0.005 * k for k in (1, 2, 3) for c in (1, 2)}, {})
+    policy = SpecPolicy(1, table)
+    rows = [RequestStats() for _ in range(3)]
+    assert policy.worth(rows, [30, 30, 2]) == pytest.approx([9 / 7, 9 / 7, 3 / 7], abs=1e-3)
+    assert policy.worth(rows, None) is None
+    assert policy.worth(rows[:1], [5]) == pytest.approx([1.0])
+    fast = RequestStats(rounds=10, accepted=20)  # (3 tokens a round: 30 left is 10 rounds, as 10 at 1 a round)
+    assert policy.worth([fast, rows[1], rows[2]], [30, 10, 2]) == pytest.approx(policy.worth(rows, [10, 10, 2]))
+
+
+def test_a_draining_batch_drafts_for_the_row_that_finishes_last():
+    """8 rows at 0.6 a draft, where a plain pass costs 20 ms + 1 ms a row and a drafted token 2 ms
+    more: while requests wait every row drafts one; draining, the row with 20 tokens left does
+    and those with 3 left do not (their tokens save a row's share of a pass, not a pass)."""
+    verify = {(r, c): 0.020 + 0.001 * r + 0.002 * r * (c - 1) for r in (1, 8) for c in (1, 2)}
+    policy = SpecPolicy(1, CostTable((1, 8), (1, 2), verify, {}, token_s=0.002), sources=(True,))
+    stats = [RequestStats() for _ in range(8)]
+    for s in stats:
+        s.count_drafts(3, 5, True)  # (3 of 5 lookups accepted: 0.6 at the first draft, within spread)
+    policy.pair[True] = copy.deepcopy(stats[0].records[True])
+    for _ in range(20):
+        policy.pair[True].add(3, 5)
+    waiting = policy.plan(stats, [1] * 8, [1] * 8, [False] * 8)
+    draining = policy.plan(stats, [1] * 8, [1] * 8, [False] * 8, left=[20] + [3] * 7)
+    assert waiting.lengths == [1] * 8
+    assert draining.lengths == [1] + [0] * 7
+
+
+def test_only_a_closed_job_drains():
+    """`generate` (submit) requests drain once none waits; a server's (`add_request`) never do."""
+    seen = []
+
+    class Spy(SpecPolicy):
+        def plan(self, stats, caps, offer, held, left=None):
+            seen.append(left)
+            return super().plan(stats, caps, offer, held, left)
+    p = pair("llama")
+    engine = SpecEngine(p, EngineConfig(gamma=2, batch_size=2, drafter="draft_model"))
+    engine.policy = Spy(2, copy.deepcopy(engine.policy.table), sources=engine.policy.sources)
+    engine.generate(prompts(4, max_len=8), SamplingParams(max_new_tokens=12))
+    assert seen[0] is None and seen[-1] is not None  # (4 prompts, 2 rows: the last two drain)
+    assert all(0 < n <= 12 for left in seen if left is not None for n in left)
+    seen.clear()
+    for ids in prompts(2, max_len=8):
+        engine.add_request(ids, SamplingParams(max_new_tokens=12))
+    while engine.has_unfinished():
+        engine.step()
+    assert seen and all(left is None for left in seen)
+
+
+def test_the_drain_pricing_is_what_levels_the_32_row_walk():
+    """On SmolLM2's 32-row walk the hybrid, priced as if requests always waited, falls below
+    0.98x plain decoding (0.975); drain pricing brings it level. (So the walk goal above fails
+    without it.)"""
+    walk = Walk.load(Path(__file__).parent / "walks" / "smollm2_b32.json")
+
+    class Steady(SpecPolicy):
+        def worth(self, stats, left):
+            return None
+    plain = simulate(walk, fixed(0), "hybrid")
+    rates = {}
+    for name, cls in (("steady", Steady), ("drain", SpecPolicy)):
+        chooser = PolicyChooser(cls(walk.gamma, copy.deepcopy(walk.table), sources=(False, True)))
+        rates[name] = simulate(walk, chooser, "hybrid", chooser.observe) / plain
+    assert rates["steady"] < 0.98 <= rates["drain"], rates
