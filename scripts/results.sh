@@ -11,7 +11,8 @@
 
 # The bundled pair (batchspec/assets/default_pair): exactness; the default against every fixed γ and plain
 # decoding at 1, 8, 32 rows, and against plain decoding at 2, 4, 16, 64 rows, with the twin; the policy on
-# the recorded traces (tests/traces/, made by `batchspec trace record`, see docs/scheduling.md); the
+# the recorded traces and walks (tests/traces/, tests/walks/, made by `batchspec trace record [--walk]`, see
+# docs/scheduling.md); the
 # default against transformers, on `generate`'s own workload, and the drafters on `echo`.
 results_bundled() {
   batchspec verify --methods autoregressive,eqspec,exspec --batch-sizes 1,8,32 --num-prompts 32 --max-new-tokens 64 \
@@ -21,6 +22,7 @@ results_bundled() {
   batchspec bench --methods autoregressive,eqspec --batch-sizes 2,4,16,64 --twin --num-prompts 64 \
     --max-new-tokens 32 --repeat 3 --json docs/results/bundled_sweep.json
   batchspec trace replay tests/traces/bundled_b1.json tests/traces/bundled_b8.json tests/traces/bundled_b32.json
+  batchspec trace replay tests/walks/bundled_b1.json tests/walks/bundled_b8.json tests/walks/bundled_b32.json
   for B in 1 8 32; do
     batchspec bench --methods autoregressive,eqspec --batch-sizes "$B" --gamma 2,4 --drafters hybrid --adaptive off,on \
       --peers hf --twin --num-prompts 64 --max-new-tokens 32 --repeat 5 --json "docs/results/bundled_bench_b$B.json"
@@ -36,7 +38,7 @@ results_bundled() {
 # batchspec ships, batchspec/assets/heads/smollm2-135m, trained on none of these prompts), prompts through its
 # chat template: exactness with the head; the default and the head alone (fixed γ = 4 and adaptive) against
 # plain decoding at 1 and 8 rows, and the default at 32 and 64 rows (the chat and grounded sets together: 64
-# prompts), with the twin; the policy on the recorded traces; plain decoding against transformers; the
+# prompts), with the twin; the policy on the recorded traces and walks; plain decoding against transformers; the
 # model-free drafters on the grounded set.
 results_smollm2() {
   batchspec verify --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec,exspec \
@@ -49,6 +51,7 @@ results_smollm2() {
   batchspec bench --target smollm2-135m --chat --prompts "$mixed" --methods autoregressive,eqspec --batch-sizes 32,64 \
     --twin --num-prompts 64 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_default_large.json
   batchspec trace replay tests/traces/smollm2_b1.json tests/traces/smollm2_b8.json tests/traces/smollm2_b32.json
+  batchspec trace replay tests/walks/smollm2_b1.json tests/walks/smollm2_b8.json tests/walks/smollm2_b32.json
   batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --peers hf --twin \
     --batch-sizes 1,8,32 --num-prompts 32 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_default.json
   batchspec bench --target smollm2-135m --chat --prompts grounded --methods autoregressive,eqspec \
