@@ -277,6 +277,20 @@ def test_a_packed_pass_costs_by_its_longest_row():
     assert t.verify(32, 1, 1) >= t.verify(32, 0, 0)
 
 
+def test_the_first_draft_of_a_pass_costs_its_measured_jump():
+    """costs.py's example: V(8, 1) = 20 ms, V(8, 5) = 36 ms, s = 0.5 ms, J(8) = 5 ms: two rows
+    of 4 drafts 25 ms (not 24); one row of 1 draft 25 ms (not 20.5); none 20 ms; one row alone
+    pays no jump (V(1, n) was measured with it). J is interpolated over rows from 0 at one row."""
+    t = CostTable((1, 8), (1, 5), {(1, 1): 0.010, (1, 5): 0.014, (8, 1): 0.020, (8, 5): 0.036}, {8: 0.002},
+                  0.5e-3, {8: 0.005})
+    assert t.verify(8, 4, 8) == pytest.approx(0.025) and t.verify(8, 1, 1) == pytest.approx(0.025)
+    assert t.verify(8, 0, 0) == pytest.approx(0.020) and t.verify(1, 1, 1) == pytest.approx(0.011)
+    assert t.first(1) == 0 and t.first(8) == pytest.approx(0.005) and t.first(4) == pytest.approx(0.005 * 3 / 7)
+    seconds = t.round_s(8)
+    assert seconds(1, [0]) == pytest.approx(0.025) and seconds(0, []) == pytest.approx(0.020)
+    assert CostTable.from_json(json.loads(json.dumps(t.to_json()))) == t
+
+
 def test_one_deep_row_does_not_pay_for_a_wide_pass():
     """32 rows, one whose lookup drafts 4 for free, accepted ~0.99 by its record, the others at
     ~0.05 (model rows): by tokens alone its drafts look worth a round, but the pass they make 5
@@ -326,7 +340,8 @@ def tables(draw):
             below = [1e-3] + ([verify[(rows[i - 1], c)]] if i else []) + ([verify[(r, cols[j - 1])]] if j else [])
             verify[(r, c)] = max(below) + draw(st.floats(0.0, 0.01))
     steps = sorted(draw(st.lists(st.floats(0.0, 0.01), min_size=len(rows), max_size=len(rows))))
-    return CostTable(rows, cols, verify, dict(zip(rows, steps)), draw(st.floats(0.0, 1e-4)))
+    first = {r: (verify[(r, 2)] - verify[(r, 1)]) * draw(st.floats(0.0, 1.0)) for r in rows[1:]}
+    return CostTable(rows, cols, verify, dict(zip(rows, steps)), draw(st.floats(0.0, 1e-4)), first)
 
 
 @settings(max_examples=150, deadline=None)
@@ -419,6 +434,7 @@ def test_cost_tables_are_kept_on_disk(tmp_path, monkeypatch):
     first = cost_table()
     files = list((tmp_path / "profiles").iterdir())
     assert measured == [1] and len(files) == 1 and first.draft_s and first.verify_s[(2, 2)] > 0
+    assert set(first.first_s) == {2} and 0 <= first.first_s[2] <= first.verify_s[(2, 2)] - first.verify_s[(2, 1)]
     # the target's passes of one row count share one buffer, as wide as the widest
     assert buffers == [(1, profile.CONTEXT + 2), (2, profile.CONTEXT + 2)]
     monkeypatch.setattr(profile, "STALE", 0.0)  # (a table of a tiny model is noise itself)

@@ -1,7 +1,7 @@
 """Scheduling: which requests are resident, which form each round's batch, and how prompts are
 cut into prefill chunks; and how far each row of a round drafts (`policy.py`, priced by the cost
 table of `costs.py`, measured by `profile.py`, ranked by `tetris.py`; judged on recorded rounds
-by `replay.py`).
+by `replay.py`, and on walks, where its plans move the rows, by `walk.py`).
 
 Pure Python over request lengths and measured seconds; only `profile.py` runs models.
 """

@@ -3,7 +3,8 @@
 A few forwards per grid point through the engine's own forward, every point timed once per sweep
 and the fastest run kept (`core/timing.py`: other work on the machine only ever adds time), within
 PROFILE_BUDGET_S. The grid: rows 1 and the batch size (and 8 between them for larger batches), by
-1 .. γ + 1 tokens per row; one ragged pass (one row fed γ + 1 tokens, the rest 1) for `token_s`;
+1 .. γ + 1 tokens per row; one ragged pass (one row fed γ + 1 tokens, the rest 1) for `token_s`,
+and at each row count above 1 one row fed 2 tokens, the rest 1, for `first_s`;
 the drafter's step at each row count through its own `step_probe` (none for a lookup). Kept in
 memory and on disk (`batchspec/cache.py`); a table read from disk is measured again when a plain
 pass now runs in under STALE of what it says (it was taken at a busy moment).
@@ -43,7 +44,7 @@ def cost_table(target, drafter, draft_model, batch_size: int, gamma: int, forwar
                for m in (target, draft_model) if m is not None]
     path = cache.profile_path(target, draft_model, {"rows": rows, "cols": cols, "context": CONTEXT, "drafter": label,
                                                     "forward": forward, "kernels": kernels, "lean": LEAN_REVISION,
-                                                    "table": 2})
+                                                    "table": 4})
     table = _read(path)
     if table is None or any(step_time(target, b, CONTEXT, 1, 3, forward) < STALE * table.verify_s[(b, 1)]
                             for b in rows):
@@ -69,6 +70,8 @@ def measure(target, drafter, rows: tuple[int, ...], cols: tuple[int, ...], forwa
     runners = {("verify", r, c): step_runner(target, r, CONTEXT, c, forward, kv=buffers[r]) for r in rows for c in cols}
     if b > 1 and n > 1:  # one row fed n tokens, the others 1: what a packed pass saves per token
         runners[("ragged", b, n)] = step_runner(target, b, CONTEXT, 1, forward, first=n, kv=buffers[b])
+    for r in (r for r in rows if r > 1 and n > 1):  # one row fed 2 tokens: what a pass adds once a row drafts
+        runners[("first", r, 2)] = step_runner(target, r, CONTEXT, 1, forward, first=2, kv=buffers[r])
     probes = {r: drafter.step_probe(r, CONTEXT) if drafter is not None else None for r in rows}
     runners.update({("draft", r, 1): p for r, p in probes.items() if p is not None})
     timed = fastest(runners, 5, PROFILE_BUDGET_S)
@@ -81,4 +84,6 @@ def measure(target, drafter, rows: tuple[int, ...], cols: tuple[int, ...], forwa
     if ("ragged", b, n) in timed:
         token_s = max(0.0, (verify[(b, n)] - timed[("ragged", b, n)]) / ((b - 1) * (n - 1)))
     draft = {r: timed[("draft", r, 1)] for r in rows if ("draft", r, 1) in timed}
-    return CostTable(rows, cols, verify, draft, token_s)
+    first = {r: min(max(0.0, timed[("first", r, 2)] - verify[(r, 1)]), verify[(r, 2)] - verify[(r, 1)])
+             for r in rows if ("first", r, 2) in timed}  # (one row fed 2 never costs more than every row)
+    return CostTable(rows, cols, verify, draft, token_s, first)
