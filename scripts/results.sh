@@ -37,8 +37,8 @@ results_bundled() {
 # SmolLM2-135M-Instruct alone (no draft model: the default drafter is its suffix lookup and the EAGLE head
 # batchspec ships, batchspec/assets/heads/smollm2-135m, trained on none of these prompts), prompts through its
 # chat template: exactness with the head; the default and the head alone (fixed γ = 4 and adaptive) against
-# plain decoding at 1 and 8 rows, and the default at 32 and 64 rows (the chat and grounded sets together: 64
-# prompts), with the twin; the policy on the recorded traces and walks; plain decoding against transformers; the
+# plain decoding at 1 and 8 rows, the default at 2, 4 and 16 rows, and at 32 and 64 rows (the chat and grounded
+# sets together: 64 prompts), with the twin; the policy on the recorded traces and walks; plain decoding against transformers; the
 # model-free drafters on the grounded set.
 results_smollm2() {
   batchspec verify --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec,exspec \
@@ -50,6 +50,8 @@ results_smollm2() {
   cat batchspec/assets/chat.jsonl batchspec/assets/grounded.jsonl > "$mixed"
   batchspec bench --target smollm2-135m --chat --prompts "$mixed" --methods autoregressive,eqspec --batch-sizes 32,64 \
     --twin --num-prompts 64 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_default_large.json
+  batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --batch-sizes 2,4,16 \
+    --twin --num-prompts 32 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_sweep.json
   batchspec trace replay tests/traces/smollm2_b1.json tests/traces/smollm2_b8.json tests/traces/smollm2_b32.json
   batchspec trace replay tests/walks/smollm2_b1.json tests/walks/smollm2_b8.json tests/walks/smollm2_b32.json
   batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --peers hf --twin \
