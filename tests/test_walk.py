@@ -116,6 +116,13 @@ def test_a_probe_judges_every_position_against_the_final_tokens(monkeypatch):
     assert judged > 0 and any(a for r in walk.requests.values() for _, a, _, _ in r["at"].values())
 
 
+def test_a_drafter_that_knows_the_answer_is_not_walked():
+    """The oracle drafter reads the target's own tokens: a walk of it would judge nothing."""
+    engine = SpecEngine(pair("llama"), EngineConfig(adaptive=False, gamma=2, batch_size=2, drafter="oracle:0.5"))
+    with pytest.raises(ValueError, match="knows the answer"):
+        record(engine, prompts(2, max_len=8), SamplingParams(max_new_tokens=4))
+
+
 def test_walks_need_greedy_rows_and_fixed_gamma():
     engine = SpecEngine(pair("llama"), EngineConfig(gamma=3, batch_size=2, drafter="draft_model"))
     with pytest.raises(ValueError, match="fixed γ"):
