@@ -218,6 +218,23 @@ def test_a_source_that_looked_bad_early_is_asked_again_later():
     assert not any(settled.worth_offering("k", fresh(8), [3] * 8, [False] * 8) for _ in range(2000))
 
 
+def test_the_exploration_bonus_lifts_the_first_draft_alone():
+    """The policy docstring's example: the pair at 8 of 20 first drafts accepted, 3 of 8 second and
+    1 of 3 third, at t = 200 (1.15 standard errors): p_1 = 0.53 carries the bonus and the later
+    positions shrink toward it, 0.48, 0.46, 0.46, so that 4 drafts are priced at 0.95 tokens. A
+    bonus at every position compounded (0.53, 0.66, 0.86, 1.0: 1.49 tokens, where the pair's
+    means make 0.66), and a source seen failing past its first draft was priced as if it improved."""
+    pair = AcceptanceRecord()
+    pair.reached, pair.accepted = [20, 8, 3], [8, 3, 1]
+    policy = SpecPolicy(4, pair={True: pair})
+    policy._rounds = 200
+    assert policy.prior(True) == pytest.approx([0.530, 0.478, 0.455, 0.455], abs=1e-3)
+    assert sum(policy.gains(fresh(1), [True], [4])[0]) == pytest.approx(0.951, abs=1e-3)
+    policy._rounds = 1  # (t = 1: one standard error, the bonus on p_1 still)
+    p1 = 9 / 22 + (9 / 22 * 13 / 22 / 22) ** 0.5 * 0.5
+    assert policy.prior(True)[0] == pytest.approx(p1)
+
+
 def test_held_rows_draft_their_cap_and_the_others_are_planned_around_them():
     """At rate 0.2 every row is plain; one held row (a seeded sampled request) verifies its cap
     whatever it is worth, and with its draft steps paid for, one draft each for the others pays."""
