@@ -47,7 +47,7 @@ def run_round(batch: list[Request], target, drafter, policy, gamma: int, timer, 
               trace=None, drain: bool = False) -> None:
     """Advance every request of `batch` (in slot order) by one round; counters go to `stats`.
     `drafter` and `policy` are None for plain decoding; `trace` (sched/replay.py) records it;
-    `drain`: no request waits, and the policy prices tokens by the rounds left (`SpecPolicy.worth`)."""
+    `drain`: no request waits, and the policy prices a round by what it takes off the job's rest (`sched/drain.py`)."""
     started, device, b = time.perf_counter(), target.device, len(batch)
     sampling = BatchSampling.of([r.params for r in batch], device)
     u = None if sampling.all_greedy else draw_uniforms([r.generator for r in batch], 2 * gamma + 1, device)

@@ -26,10 +26,12 @@ Pure Python over the rows' acceptance records and the cost table (`costs.py`). P
             shapes of fixed γ = k (every row, or the lookup rows alone) are priced too, since T
             is not additive and no prefix may hold them. All lengths 0 is a plain round, chosen
             whenever nothing beats it.
-    drain   when a job's last requests run (none waits: `worth`), a token is worth what it
-            saves of the rounds left, w_i tokens of a plain round: the rows that will finish
-            last weigh most (G_ij becomes w_i G_ij, and b becomes Σ w_i). While requests wait,
-            every w_i = 1: a row that finishes sooner frees its slot for the next.
+    drain   when a job's last requests run (none waits: `left`, each row's tokens left), a round is
+            worth what it takes off the rest of the job decoded plainly, Σ_k m(k) L_(k) over the
+            rows' tokens left sorted, m(k) = V(k) - V(k - 1) (`drain.py`): drafts for one row of
+            many tied at the end buy its share of the last pass, drafts for all of them the pass.
+            While requests wait, a row that finishes sooner frees its slot for the next, and every
+            token is worth the same (b + Σ G).
 
 Before the plan a drafter says what it can offer (`Drafter.offer`): a lookup's row is capped at
 the drafts it found and costs no step. A lookup costs host time every round, so first the same
@@ -52,6 +54,7 @@ from dataclasses import dataclass, field
 
 from ..core.request import AcceptanceRecord
 from .costs import CostTable
+from .drain import Tail
 from .tetris import best_budget, cumulative, rate_of, select
 
 SHRINK = 16.0  # drafts' worth of the pair's rate that a row's own record starts from
@@ -80,7 +83,6 @@ class SpecPolicy:
     _plain: tuple | None = None  # the rows for which an optimistic plan was plain, the records' age and t's doubling
     _age: int = 0  # rounds that verified drafts so far (records change only then)
     _rounds: int = 0  # rounds asked about so far (`worth_offering`): t of the spread
-    _worth: tuple | None = None  # the last `worth`: (the rows' rounds left, their worths)
 
     def prior(self, looked: bool) -> list[float]:
         """p_1 .. p_γ: the pair's rates for drafts from one source (see the module docstring)."""
@@ -116,41 +118,11 @@ class SpecPolicy:
                                    for j, p in enumerate(prior[:c])]))
         return out
 
-    def worth(self, stats: list, left: list[int] | None) -> list[float] | None:
-        """What a token of each row is worth, in tokens of a plain round (None: 1 each, while
-        requests wait and every token is worth the same). When none waits the batch drains, and
-        what remains to pay is the rounds until its last row finishes: V(k), a plain pass over k
-        rows, is paid while k rows remain, so a row that will be the k-th last to finish saves
-        m(k) = V(k) - V(k - 1) by finishing a round sooner: the last one V(1), a whole pass, and
-        one among many little (on a CPU at 32 rows, 1.6 ms against 27 for the last). Which rank
-        a row will finish at is uncertain: its rounds left are ρ_i = left_i / π_i (π_i its tokens
-        per round so far), give or take sqrt(ρ_i), as a count's, so its expected rank is
-        k_i = 1 + Σ_j P(ρ_j > ρ_i) and its worth V(k_i) - V(k_i - 1) (V linear between whole
-        ranks), times b / V(b).
-
-        Example, V(k) = 20 + 5 k ms (m(1) = 25, then 5), rows left 30, 30, 2 tokens at one a
-        round: the two long rows expect ranks 1.5 (m 15 ms), the short one 3 (5 ms): worths 3 x
-        [15, 15, 5] / 35 = [1.29, 1.29, 0.43] (ρ 2 against 30: P(30 > 2) = 1.00)."""
+    def tail(self, left: list[int] | None) -> Tail | None:
+        """A draining batch's pricing (`drain.py`): None while requests wait (`left` None)."""
         if left is None or self.table is None:
             return None
-        b = len(left)
-        pace = [1.0 + s.accepted / s.rounds if s.rounds else 1.0 for s in stats]
-        rho = [n / p for n, p in zip(left, pace)]
-        if self._worth is not None and self._worth[0] == rho:  # (asked twice a round: offer, then plan)
-            return self._worth[1]
-        plain = [0.0] + [self.table.verify(k, 0, 0) for k in range(1, b + 1)]
-        var = [r + 1e-9 for r in rho]
-
-        def at(x: float) -> float:  # V between whole row counts, linearly
-            k = min(int(x), b - 1)
-            return plain[k] + (plain[k + 1] - plain[k]) * (x - k)
-        out = []
-        for i in range(b):
-            rank = 1.0 + sum(0.5 * (1.0 + math.erf((rho[j] - rho[i]) / math.sqrt(2.0 * (var[i] + var[j]))))
-                             for j in range(b) if j != i)
-            out.append((at(rank) - at(rank - 1.0)) * b / plain[b])
-        self._worth = (rho, out)
-        return out
+        return Tail(left, [self.table.verify(k, 0, 0) for k in range(1, len(left) + 1)])
 
     def worth_offering(self, key: tuple, stats: list, caps: list[int], held: list[bool],
                        left: list[int] | None = None) -> bool:
@@ -167,11 +139,10 @@ class SpecPolicy:
             return False
         if not self.pair:  # (nothing verified yet: try)
             return True
-        worth = self.worth(stats, left)
         by_source = [self.gains(stats, [lk] * len(caps), caps) for lk in sorted(set(self.pair) | set(self.sources))]
         gains = [list(map(max, *rows)) if len(rows) > 1 else rows[0] for rows in zip(*by_source)]
-        gains, base = _weighed(gains, worth)
-        lengths, _ = best_budget(gains, self.table.round_s(len(caps)), base, [False] * len(caps))
+        lengths, _ = best_budget(gains, self.table.round_s(len(caps)), len(caps), [False] * len(caps),
+                                 tail=self.tail(left))
         if any(lengths):
             return True
         self._plain = key
@@ -181,7 +152,7 @@ class SpecPolicy:
              left: list[int] | None = None) -> Decision:
         """Per-row lengths for this round (see the module docstring). caps[i]: the most row i may
         verify; offer[i]: drafts a lookup has for it (a cap, at no step), None: a model step;
-        left[i]: the tokens row i may still emit, given when no request waits (`worth`)."""
+        left[i]: the tokens row i may still emit, given when no request waits (`tail`)."""
         looked = [o is not None for o in offer]
         caps = [c if o is None else min(c, o) for c, o in zip(caps, offer)]
         model_rows = [not lk and c > 0 for lk, c in zip(looked, caps)]
@@ -190,8 +161,8 @@ class SpecPolicy:
         if self.table is None:
             lengths = list(caps)
         else:
-            gains, base = _weighed(self.gains(stats, looked, caps), self.worth(stats, left))
-            lengths = self._best(gains, caps, model_rows, fixed, base)
+            gains = self.gains(stats, looked, caps)
+            lengths = self._best(gains, caps, model_rows, fixed, self.tail(left))
         if self.budget is not None and sum(lengths) > self.budget:
             gains = gains or self.gains(stats, looked, lengths)
             lengths = select([g[:n] for g, n in zip(gains, lengths)], self.budget, fixed)
@@ -199,18 +170,18 @@ class SpecPolicy:
                         self.table is not None)
 
     def _best(self, gains: list[list[float]], caps: list[int], model_rows: list[bool], fixed: list[int],
-              base: float) -> list[int]:
+              tail: Tail | None) -> list[int]:
         """The best of the ranking's prefixes (`best_budget`) and 2γ shapes no prefix may hold, priced
         alike: every row min(k, cap), and the lookup rows alone at min(k, cap) (costs are not
         additive: a depth's draft step or a wider pass is paid once, so a dear model row's draft
         can rank before a free row's next one, or one row's 2nd before another's 1st)."""
         seconds = self.table.round_s(len(caps))
-        lengths, rate = best_budget(gains, seconds, base, model_rows, fixed)
+        lengths, rate = best_budget(gains, seconds, len(caps), model_rows, fixed, tail)
         for k in range(1, self.gamma + 1):
             for rows in (None, [not m for m in model_rows]):
                 shape = [max(f, min(k, c) if rows is None or rows[i] else 0) for i, (c, f) in
                          enumerate(zip(caps, fixed))]
-                r = rate_of(gains, seconds, base, shape, model_rows)
+                r = rate_of(gains, seconds, len(caps), shape, model_rows, tail)
                 if r > rate * (1 + 1e-9):
                     lengths, rate = shape, r
         return lengths
@@ -240,9 +211,3 @@ class SpecPolicy:
             self.table.correct("draft", draft, draft_s)
             self.table.correct("verify", verify, verify_s)
 
-
-def _weighed(gains: list[list[float]], worth: list[float] | None) -> tuple[list[list[float]], float]:
-    """(gains times each row's worth, the tokens a plain round is worth): b with no worths."""
-    if worth is None:
-        return gains, float(len(gains))
-    return [[w * g for g in row] for row, w in zip(gains, worth)], sum(worth)

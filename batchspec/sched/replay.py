@@ -21,7 +21,9 @@ k <= γ (k = 0: plain decoding of the recorded rounds); `autoregressive`, plain 
 requests on its own schedule, with no part-empty rounds while a speculative run's last rows
 finish (what a plain engine runs, and what a speculative one must beat); `oracle`, the same plan
 with each request's true per-position rates over the whole trace (what the best rate-based plan
-could know); `clairvoyant`, which knows each round's a_i (the bound no plan reaches). Greedy and
+could know); `clairvoyant`, the same plan knowing each round's a_i (rarely reached; not a bound: it plans
+one round at a time, and on a walk rows it lets race ahead can leave a job's end to part-empty
+rounds that a plan knowing less avoids). Greedy and
 sampled rows replay alike.
 
 A hybrid with a model part is recorded *alongside* (`record`, drafters/hybrid.py `Alongside`):
@@ -44,6 +46,7 @@ from pathlib import Path
 
 from ..core.request import AcceptanceRecord, RequestStats
 from .costs import CostTable
+from .drain import Tail
 from .policy import SpecPolicy
 from .tetris import best_budget, cumulative
 
@@ -249,11 +252,12 @@ def fixed(k: int):
 
 
 def clairvoyant(ids, records, caps, offer, held, accepted, costs, left=None):
-    """Knows each row's accepted count: gains 1 up to it, 0 after."""
+    """Knows each row's accepted count: gains 1 up to it, 0 after (a draining batch priced as the policy's)."""
     caps = [min(c, o) if o is not None else c for c, o in zip(caps, offer)]
     gains = [[1.0 if j < a else 0.0 for j in range(c)] for a, c in zip(accepted, caps)]
+    tail = None if left is None else Tail(left, [costs.table.verify(k, 0, 0) for k in range(1, len(left) + 1)])
     lengths, _ = best_budget(gains, costs.table.round_s(len(caps)), len(caps), [o is None for o in offer],
-                             [c if h else 0 for c, h in zip(caps, held)])
+                             [c if h else 0 for c, h in zip(caps, held)], tail)
     return lengths, True
 
 
@@ -278,7 +282,7 @@ class Hindsight(SpecPolicy):
 def compare(trace: Trace, policy: SpecPolicy | None = None) -> dict[str, float]:
     """Tokens per second over `trace` of the policy (default: the engine's, on the trace's table),
     plain decoding (on the recorded rounds, and `autoregressive`: on its own schedule), every fixed
-    γ, the hindsight oracle and the clairvoyant bound."""
+    γ, the hindsight oracle and the clairvoyant plan."""
     chooser = PolicyChooser(policy or SpecPolicy(trace.gamma, copy.deepcopy(trace.table), sources=trace.sources))
     out = {"policy": replay(trace, chooser, chooser.observe), "autoregressive": autoregressive(trace)}
     for k in range(trace.gamma + 1):

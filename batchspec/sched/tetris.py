@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from .drain import Additive, Tail
+
 
 def cumulative(rates: Sequence[float]) -> list[float]:
     """Per-token acceptance rates along a row -> cumulative gains G_j = rates_1 ... rates_j."""
@@ -58,9 +60,10 @@ def select(gains: Sequence[Sequence[float]], budget: int, held: Sequence[int] | 
 
 def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[float]], float],
                 base_tokens: float, model_rows: Sequence[bool] | None = None,
-                held: Sequence[int] | None = None) -> tuple[list[int], float]:
+                held: Sequence[int] | None = None, tail: Tail | None = None) -> tuple[list[int], float]:
     """The prefix of the ranking with the most (base_tokens + Σ gains) / seconds, where base_tokens
-    is what the round commits with no draft verified (one token per row) and seconds(total, fed)
+    is what the round commits with no draft verified (one token per row; with `tail`, a draining
+    batch's, what the round takes off the job's rest instead: `drain.py`) and seconds(total, fed)
     the round's cost for `total` drafts verified, fed[j] being the rows a model's draft step feeds
     at depth j (model_rows[i], default True: row i is drafted by a model step; False: a lookup
     drafts it, at no step, so fed[j] may be 0 and no step runs there). Kept up to date as the
@@ -82,7 +85,8 @@ def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[f
         fed[j] += model[i]
         return gains[i][j]
 
-    tokens = base_tokens + sum(take(i, j) for i, n in enumerate(lengths) for j in range(n))
+    value = tail or Additive(base_tokens)
+    tokens = value.start([sum(take(i, j) for j in range(n)) for i, n in enumerate(lengths)])
     start = sum(lengths)
     order = ranking([row[n:] for row, n in zip(gains, lengths)], None, [not m for m in model])
     best_total, best_rate = 0, tokens / seconds(start, fed)
@@ -90,7 +94,7 @@ def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[f
         gain = take(i, j + lengths[i])
         if gain <= 0:  # (all that follows is worth nothing too)
             break
-        tokens += gain
+        tokens = value.add(i, gain)
         rate = tokens / seconds(start + total, fed)
         if rate > best_rate:
             best_total, best_rate = total, rate
@@ -100,13 +104,13 @@ def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[f
 
 
 def rate_of(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[float]], float], base_tokens: float,
-            lengths: Sequence[int], model_rows: Sequence[bool] | None = None) -> float:
+            lengths: Sequence[int], model_rows: Sequence[bool] | None = None, tail: Tail | None = None) -> float:
     """What `best_budget` rates `lengths` at: (base_tokens + each row's first lengths[i] gains) /
-    seconds(total, fed), fed[j] the model rows verifying more than j drafts.
+    seconds(total, fed), fed[j] the model rows verifying more than j drafts (`tail`: as there).
 
     Example: gains [[0.9, 0.72], [0.5]], lengths [2, 1], seconds = 1 + total / 10: (2 + 0.9 +
     0.72 + 0.5) / 1.3 = 3.17."""
     model = model_rows if model_rows is not None else [True] * len(gains)
     fed = [sum(1 for n, m in zip(lengths, model) if m and n > j) for j in range(max(lengths, default=0))]
-    tokens = base_tokens + sum(sum(g[:n]) for g, n in zip(gains, lengths))
+    tokens = (tail or Additive(base_tokens)).start([sum(g[:n]) for g, n in zip(gains, lengths)])
     return tokens / seconds(sum(lengths), fed)

@@ -164,7 +164,7 @@ def simulate(walk: Walk, choose, view: str = "model", observe=None) -> float:
 
 def compare(walk: Walk, view: str = "model", policy: SpecPolicy | None = None) -> dict[str, float]:
     """Tokens per second over the walk, as `view` drafts, of the policy (default: the engine's, on
-    the walk's table), plain decoding, every fixed γ, the hindsight oracle and the clairvoyant bound."""
+    the walk's table), plain decoding, every fixed γ, the hindsight oracle and the clairvoyant plan."""
     sources = walk.sources(view)
     chooser = PolicyChooser(policy or SpecPolicy(walk.gamma, copy.deepcopy(walk.table), sources=sources))
     out = {"policy": simulate(walk, chooser, view, chooser.observe)}
