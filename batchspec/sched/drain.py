@@ -1,33 +1,30 @@
-"""What a round of a draining batch is worth: the rest of the job decoded plainly, and what it takes off that.
+"""What a round of a draining batch is worth: what it takes off the rest of the job, decoded plainly.
 
 While requests wait, a row that finishes sooner frees its slot for the next one, and every token is
 worth the same (`Additive`: b, one per row, plus the expected accepted drafts). When none waits the
-batch drains, and the rounds left are paid for by the rows left. With the rows' tokens left sorted,
-L_(1) >= L_(2) >= ... >= L_(b), decoding plainly from here runs L_(b) passes over b rows, then
-L_(b-1) - L_(b) over b - 1 rows, and so on, so the rest of the job costs
+batch drains, and the rounds left are paid for by the rows left: a plain pass over k rows costs
+V(k) ≈ a + c k (c = (V(b) - V(1)) / (b - 1), a = V(1) - c: what a pass costs whatever its rows),
+and with L_i tokens left in row i, decoding plainly from here runs max L_i passes over ever fewer
+rows, so the rest of the job costs
 
-    C(L) = Σ_k m(k) L_(k),     m(k) = V(k) - V(k - 1),  V(0) = 0
+    C(L) = c Σ_i L_i + a max_i L_i
 
-V(k) a plain pass over k rows (the cost table's): the row that finishes last pays a whole pass,
-m(1) = V(1), and each other row its share of one. A round that commits 1 + e_i tokens of row i
-(e_i its expected accepted drafts) leaves L - 1 - e, so it is worth C(L) - C(L - 1 - e) seconds of
-that plain rest (`Tail`), counted in tokens of a plain round (b / V(b) per second): a plain round
-over rows with a token or more left is worth V(b), b tokens, as while requests wait. What drafts
-are worth depends on the other rows: rows tied at the end that all gain move every L_(k), a whole
-pass saved per round gained, while one row of many that gains only finishes before its twins, its
-share m(b) of the last pass. (Pricing each row on its own by the rank it is expected to finish at
-gives the tied rows the middle rank's share whatever the others do: a round drafting for one row
-of a tied batch was priced as if all gained.)
+A round in which row i verifies drafts accepted with P(X_i >= j) = G_ij (its cumulative gains)
+leaves L_i - 1 - X_i, so it is worth C(L) - E[C(L - 1 - X)] seconds of that plain rest (`Tail`),
+counted in tokens of a plain round (b / V(b) a second): a plain round over rows with a token or
+more left is worth V(b), b tokens, as while requests wait. Every accepted token saves c; a pass, a,
+is saved only if the row with the most left gains, or, among rows tied for the most, every one of
+them: E[max] is taken over the rows' acceptances (independent), so drafting for one of eight tied
+rows at 0.6 buys c a token, for all eight 0.6^8 of a pass more.
 
-Example, V(k) = 20 + 5k ms (m = 25, 5, 5), rows left [30, 30, 2]: C = 25·30 + 5·30 + 5·2 = 910 ms.
-A plain round leaves [29, 29, 1], 875: 35 ms = V(3), 3 tokens. One more token of row 0 leaves
-[28, 29, 1], 870: 40 ms, the extra 5 (its twin still runs to the end): 3.43 tokens. One more of
-rows 0 and 1 each leaves [28, 28, 1], 845: 65 ms, 5.57 tokens: the last pass, 25 ms, is saved too.
+Example, V(k) = 20 + 5k ms (a = 20, c = 5), rows left [30, 30, 2]: C = 5·62 + 20·30 = 910 ms. A
+plain round leaves [29, 29, 1], 875: 35 ms = V(3), 3 tokens. Row 0 verifying one draft accepted at
+0.5: 0.5 x 5 ms more (its twin still runs to the end): 3.21 tokens. Rows 0 and 1 so: 2 x 2.5 ms,
+and the last pass (20 ms) when both accept, 0.25: 45 ms, 3.86 tokens.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
 from collections.abc import Sequence
 
 
@@ -37,8 +34,8 @@ class Additive:
     def __init__(self, base: float) -> None:
         self.base, self._total = base, base
 
-    def start(self, extra: Sequence[float]) -> float:
-        self._total = self.base + sum(extra)
+    def start(self, taken: Sequence[Sequence[float]]) -> float:
+        self._total = self.base + sum(map(sum, taken))
         return self._total
 
     def add(self, i: int, gain: float) -> float:
@@ -51,30 +48,36 @@ class Tail:
 
     def __init__(self, left: Sequence[int], plain: Sequence[float]) -> None:
         b = len(left)
-        m = [max(0.0, plain[k] - (plain[k - 1] if k else 0.0)) for k in range(b)]
-        self._w = m[::-1]  # weights of the ascending order: the least left pays m(b), the most m(1)
+        self._c = max(0.0, (plain[b - 1] - plain[0]) / (b - 1)) if b > 1 else 0.0
+        self._a = max(0.0, plain[0] - self._c)
         self._unit = b / plain[b - 1] if plain[b - 1] > 0 else 1.0
-        self._left = [float(n) for n in left]
-        self._now = self._cost(sorted(self._left))
-        self._at: list[float] = []  # each row's tokens left after the round
-        self._sorted: list[float] = []  # the same, clamped at 0, ascending
+        self._left = [max(1, int(n)) for n in left]
+        self._now = self._c * sum(self._left) + self._a * max(self._left)
+        self._gains: list[list[float]] = []
 
-    def _cost(self, ascending: list[float]) -> float:
-        return sum(w * max(0.0, x) for w, x in zip(self._w, ascending))
-
-    def start(self, extra: Sequence[float]) -> float:
-        """What a round committing 1 + extra[i] tokens of row i is worth (tokens of a plain round)."""
-        self._at = [n - 1.0 - e for n, e in zip(self._left, extra)]
-        self._sorted = sorted(max(0.0, x) for x in self._at)
+    def start(self, taken: Sequence[Sequence[float]]) -> float:
+        """What a round verifying drafts of cumulative gains taken[i] in row i is worth (tokens of a plain round)."""
+        self._gains = [list(g) for g in taken]
         return self._worth()
 
     def add(self, i: int, gain: float) -> float:
-        """The same, once row i commits `gain` more (after `start`)."""
-        old = max(0.0, self._at[i])
-        self._at[i] -= gain
-        del self._sorted[bisect_left(self._sorted, old)]
-        insort(self._sorted, max(0.0, self._at[i]))
+        """The same, once row i verifies one more draft, of cumulative gain `gain` (after `start`)."""
+        self._gains[i].append(gain)
         return self._worth()
 
     def _worth(self) -> float:
-        return (self._now - self._cost(self._sorted)) * self._unit
+        rows = list(zip(self._left, self._gains))
+        # E[L_i - 1 - X_i], X_i capped at L_i - 1 (a row ends at 0)
+        rest = sum(n - 1 - sum(g[:n - 1]) for n, g in rows)
+        # E[max]: at least lo; above it, 1 - P(every row is below t), row i below t when X_i >= n_i - t
+        lo = max(max(0, n - 1 - len(g)) for n, g in rows)
+        top = max(n - 1 for n, _ in rows)
+        most = float(lo)
+        for t in range(lo + 1, top + 1):
+            below = 1.0
+            for n, g in rows:
+                j = n - t  # row i below t: X_i >= j (sure for j <= 0, impossible past its drafts)
+                if j > 0:
+                    below *= g[j - 1] if j <= len(g) else 0.0
+            most += 1.0 - below
+        return (self._now - self._c * rest - self._a * most) * self._unit

@@ -86,7 +86,7 @@ def best_budget(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[f
         return gains[i][j]
 
     value = tail or Additive(base_tokens)
-    tokens = value.start([sum(take(i, j) for j in range(n)) for i, n in enumerate(lengths)])
+    tokens = value.start([[take(i, j) for j in range(n)] for i, n in enumerate(lengths)])
     start = sum(lengths)
     order = ranking([row[n:] for row, n in zip(gains, lengths)], None, [not m for m in model])
     best_total, best_rate = 0, tokens / seconds(start, fed)
@@ -112,5 +112,5 @@ def rate_of(gains: Sequence[Sequence[float]], seconds: Callable[[int, list[float
     0.72 + 0.5) / 1.3 = 3.17."""
     model = model_rows if model_rows is not None else [True] * len(gains)
     fed = [sum(1 for n, m in zip(lengths, model) if m and n > j) for j in range(max(lengths, default=0))]
-    tokens = (tail or Additive(base_tokens)).start([sum(g[:n]) for g, n in zip(gains, lengths)])
+    tokens = (tail or Additive(base_tokens)).start([g[:n] for g, n in zip(gains, lengths)])
     return tokens / seconds(sum(lengths), fed)
