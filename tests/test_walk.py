@@ -185,7 +185,7 @@ def test_tied_rows_save_a_pass_only_when_all_gain():
     one for each, 8 x 0.6 ms and the last pass (20 ms) with chance 0.6^8."""
     plain = [0.020 + 0.001 * k for k in range(1, 9)]
     unit = 8 / plain[-1]
-    tail = Tail([20] * 8, plain)
+    tail = Tail([20] * 8, plain, 1)
     base = tail.start([[]] * 8)
     assert tail.start([[0.6]] + [[]] * 7) - base == pytest.approx(0.6 * 0.001 * unit)
     assert tail.start([[0.6]] * 8) - base == pytest.approx((8 * 0.6 * 0.001 + 0.6 ** 8 * 0.020) * unit)
@@ -197,7 +197,7 @@ def test_a_tail_walked_draft_by_draft_prices_as_a_round_priced_whole(left, data)
     """`Tail.add` (best_budget's walk down the ranking) keeps what `start` gives for the whole round,
     and a round that verifies one more draft is never worth less."""
     plain = sorted(data.draw(st.lists(st.floats(0.001, 0.1), min_size=len(left), max_size=len(left))))
-    tail = Tail(left, plain)
+    tail = Tail(left, plain, 20)
     taken: list[list[float]] = [[] for _ in left]
     worth = tail.start(taken)
     for i, rate in data.draw(st.lists(st.tuples(st.integers(0, len(left) - 1), st.floats(0.0, 1.0)), max_size=20)):
@@ -206,7 +206,7 @@ def test_a_tail_walked_draft_by_draft_prices_as_a_round_priced_whole(left, data)
         stepped = tail.add(i, gain)
         assert stepped >= worth - 1e-9
         worth = stepped
-        assert stepped == pytest.approx(Tail(left, plain).start(taken), abs=1e-9)
+        assert stepped == pytest.approx(Tail(left, plain, 20).start(taken), abs=1e-9)
 
 
 def test_a_draining_batch_drafts_for_the_row_that_finishes_last():

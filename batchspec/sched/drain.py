@@ -44,40 +44,55 @@ class Additive:
 
 
 class Tail:
-    """A draining batch (module docstring): rows' tokens left `left`, plain passes plain[k - 1] = V(k)."""
+    """A draining batch (module docstring): rows' tokens left `left`, plain passes plain[k - 1] = V(k),
+    at most `depth` drafts a row. `add` is O(1): best_budget walks hundreds of drafts a round.
 
-    def __init__(self, left: Sequence[int], plain: Sequence[float]) -> None:
+    E[max_i L'_i] = Σ_{t >= 1} (1 - P(every L'_i < t)), L'_i = L_i - 1 - X_i. Row i is below t when
+    X_i >= L_i - t: sure where L_i - t <= 0, impossible past its drafts, so only the depth + 1
+    thresholds below top = max L_i - 1 can have every row below them, and a row's next draft moves
+    one threshold's product: t = L_i - 1 - n_i, n_i its drafts so far (P(X_i >= n_i + 1) was 0)."""
+
+    def __init__(self, left: Sequence[int], plain: Sequence[float], depth: int) -> None:
         b = len(left)
         self._c = max(0.0, (plain[b - 1] - plain[0]) / (b - 1)) if b > 1 else 0.0
         self._a = max(0.0, plain[0] - self._c)
         self._unit = b / plain[b - 1] if plain[b - 1] > 0 else 1.0
         self._left = [max(1, int(n)) for n in left]
-        self._now = self._c * sum(self._left) + self._a * max(self._left)
-        self._gains: list[list[float]] = []
+        self._top = max(self._left) - 1
+        self._low = max(1, self._top - depth)  # thresholds low..top can have every row below them
+        self._now = self._c * sum(self._left) + self._a * self._top + self._a
+        self._n: list[int] = []
 
     def start(self, taken: Sequence[Sequence[float]]) -> float:
         """What a round verifying drafts of cumulative gains taken[i] in row i is worth (tokens of a plain round)."""
-        self._gains = [list(g) for g in taken]
+        self._n = [len(g) for g in taken]
+        self._rest = sum(n - 1 - sum(g[:n - 1]) for n, g in zip(self._left, taken))  # E[Σ L'_i]
+        # per threshold t: rows not surely below it (zeros) and the product of the others' chances
+        self._zeros = {t: 0 for t in range(self._low, self._top + 1)}
+        self._prod = dict.fromkeys(self._zeros, 1.0)
+        for n, g in zip(self._left, taken):
+            for t in range(self._low, min(n - 1, self._top) + 1):
+                j = n - t  # below t: X_i >= j >= 1
+                if j <= len(g) and g[j - 1] > 0:
+                    self._prod[t] *= g[j - 1]
+                else:
+                    self._zeros[t] += 1
+        self._below = sum(p for t, p in self._prod.items() if not self._zeros[t])
         return self._worth()
 
     def add(self, i: int, gain: float) -> float:
         """The same, once row i verifies one more draft, of cumulative gain `gain` (after `start`)."""
-        self._gains[i].append(gain)
+        n, k = self._left[i], self._n[i]
+        self._n[i] = k + 1
+        if k < n - 1:  # (a row with n left accepts n - 1 drafts at most)
+            self._rest -= gain
+        t = n - 1 - k  # the threshold whose chance this draft opens
+        if t in self._zeros and gain > 0:
+            self._zeros[t] -= 1
+            self._prod[t] *= gain
+            if not self._zeros[t]:
+                self._below += self._prod[t]
         return self._worth()
 
     def _worth(self) -> float:
-        rows = list(zip(self._left, self._gains))
-        # E[L_i - 1 - X_i], X_i capped at L_i - 1 (a row ends at 0)
-        rest = sum(n - 1 - sum(g[:n - 1]) for n, g in rows)
-        # E[max]: at least lo; above it, 1 - P(every row is below t), row i below t when X_i >= n_i - t
-        lo = max(max(0, n - 1 - len(g)) for n, g in rows)
-        top = max(n - 1 for n, _ in rows)
-        most = float(lo)
-        for t in range(lo + 1, top + 1):
-            below = 1.0
-            for n, g in rows:
-                j = n - t  # row i below t: X_i >= j (sure for j <= 0, impossible past its drafts)
-                if j > 0:
-                    below *= g[j - 1] if j <= len(g) else 0.0
-            most += 1.0 - below
-        return (self._now - self._c * rest - self._a * most) * self._unit
+        return (self._now - self._c * self._rest - self._a * (self._top - self._below)) * self._unit

@@ -122,7 +122,7 @@ class SpecPolicy:
         """A draining batch's pricing (`drain.py`): None while requests wait (`left` None)."""
         if left is None or self.table is None:
             return None
-        return Tail(left, [self.table.verify(k, 0, 0) for k in range(1, len(left) + 1)])
+        return Tail(left, [self.table.verify(k, 0, 0) for k in range(1, len(left) + 1)], self.gamma)
 
     def worth_offering(self, key: tuple, stats: list, caps: list[int], held: list[bool],
                        left: list[int] | None = None) -> bool:

@@ -255,7 +255,8 @@ def clairvoyant(ids, records, caps, offer, held, accepted, costs, left=None):
     """Knows each row's accepted count: gains 1 up to it, 0 after (a draining batch priced as the policy's)."""
     caps = [min(c, o) if o is not None else c for c, o in zip(caps, offer)]
     gains = [[1.0 if j < a else 0.0 for j in range(c)] for a, c in zip(accepted, caps)]
-    tail = None if left is None else Tail(left, [costs.table.verify(k, 0, 0) for k in range(1, len(left) + 1)])
+    plain = None if left is None else [costs.table.verify(k, 0, 0) for k in range(1, len(left) + 1)]
+    tail = None if left is None else Tail(left, plain, max(caps, default=0))
     lengths, _ = best_budget(gains, costs.table.round_s(len(caps)), len(caps), [o is None for o in offer],
                              [c if h else 0 for c, h in zip(caps, held)], tail)
     return lengths, True
