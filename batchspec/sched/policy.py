@@ -27,9 +27,10 @@ Pure Python over the rows' acceptance records and the cost table (`costs.py`). P
             is not additive and no prefix may hold them. All lengths 0 is a plain round, chosen
             whenever nothing beats it.
     drain   when a job's last requests run (none waits: `left`, each row's tokens left), a round is
-            worth what it takes off the rest of the job decoded plainly, Σ_k m(k) L_(k) over the
-            rows' tokens left sorted, m(k) = V(k) - V(k - 1) (`drain.py`): drafts for one row of
-            many tied at the end buy its share of the last pass, drafts for all of them the pass.
+            worth what it takes off the rest of the job decoded plainly, c Σ L_i + a max L_i
+            (V(k) ≈ a + c k; `drain.py`), the max's expectation over the rows' acceptances: every
+            accepted token saves a row's share c, and the pass a goes only when the row with the
+            most left, or every row tied for the most, gains.
             While requests wait, a row that finishes sooner frees its slot for the next, and every
             token is worth the same (b + Σ G).
 
