@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .costs import CostTable
+
 
 class Additive:
     """While requests wait: a round is worth `base` tokens plus the expected accepted drafts."""
@@ -96,3 +98,11 @@ class Tail:
 
     def _worth(self) -> float:
         return (self._now - self._c * self._rest - self._a * (self._top - self._below)) * self._unit
+
+
+def tail(table: CostTable, left: Sequence[int] | None, depth: int) -> Tail | None:
+    """The pricing of a round over rows with `left` tokens left by `table`'s plain passes (None:
+    requests wait, `left` None)."""
+    if left is None:
+        return None
+    return Tail(left, [table.verify(k, 0, 0) for k in range(1, len(left) + 1)], depth)

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from ..core.request import AcceptanceRecord
 from .costs import CostTable
 from .drain import Tail
+from .drain import tail as drain_tail
 from .tetris import best_budget, cumulative, rate_of, select
 
 SHRINK = 16.0  # drafts' worth of the pair's rate that a row's own record starts from
@@ -121,9 +122,7 @@ class SpecPolicy:
 
     def tail(self, left: list[int] | None) -> Tail | None:
         """A draining batch's pricing (`drain.py`): None while requests wait (`left` None)."""
-        if left is None or self.table is None:
-            return None
-        return Tail(left, [self.table.verify(k, 0, 0) for k in range(1, len(left) + 1)], self.gamma)
+        return None if self.table is None else drain_tail(self.table, left, self.gamma)
 
     def worth_offering(self, key: tuple, stats: list, caps: list[int], held: list[bool],
                        left: list[int] | None = None) -> bool:

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from ..core.request import AcceptanceRecord, RequestStats
 from .costs import CostTable
-from .drain import Tail
+from .drain import tail
 from .policy import SpecPolicy
 from .tetris import best_budget, cumulative
 
@@ -255,10 +255,8 @@ def clairvoyant(ids, records, caps, offer, held, accepted, costs, left=None):
     """Knows each row's accepted count: gains 1 up to it, 0 after (a draining batch priced as the policy's)."""
     caps = [min(c, o) if o is not None else c for c, o in zip(caps, offer)]
     gains = [[1.0 if j < a else 0.0 for j in range(c)] for a, c in zip(accepted, caps)]
-    plain = None if left is None else [costs.table.verify(k, 0, 0) for k in range(1, len(left) + 1)]
-    tail = None if left is None else Tail(left, plain, max(caps, default=0))
     lengths, _ = best_budget(gains, costs.table.round_s(len(caps)), len(caps), [o is None for o in offer],
-                             [c if h else 0 for c, h in zip(caps, held)], tail)
+                             [c if h else 0 for c, h in zip(caps, held)], tail(costs.table, left, max(caps, default=0)))
     return lengths, True
 
 
