@@ -172,6 +172,31 @@ def test_ask_n_draws_every_form_and_topic_pair_once_before_repeating():
     assert [(len(ids), held) for ids, held in sets] == [(40, 4)] and own == 0
 
 
+def test_the_default_data_is_what_made_the_shipped_head():
+    """`--data auto`: a chat target answers 2,000 `ask` instructions and reads `docs`; any other
+    target completes the bundled prompts and reads `docs`."""
+    from batchspec.eagle.recipe import Recipe, _sources
+    from batchspec.eagle.sources import package_docs
+    from batchspec.prompts import load_prompts
+
+    class Tok:
+        def __init__(self, template):
+            self.chat_template = template
+
+        def __call__(self, text):
+            return {"input_ids": [len(text) % VOCAB, 1]}
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return [7, len(messages[0]["content"]) % VOCAB]
+
+    assert Recipe().data == "auto"
+    docs = len(package_docs())
+    sets, texts, own, _ = _sources(Recipe(), Tok("{{ messages }}"))
+    assert [(len(ids), held) for ids, held in sets] == [(2000, 8)] and len(texts) == docs and own == 0
+    sets, texts, _, _ = _sources(Recipe(), Tok(None))
+    assert [len(ids) for ids, _ in sets] == [len(load_prompts("bundled"))] and len(texts) == docs
+
+
 def test_a_float32_head_trains_under_autocast_over_a_bfloat16_target():
     from batchspec.eagle.train import mixed
 

@@ -47,7 +47,8 @@ class Recipe:
                     instructions from templates: a form about a topic), self:N (N questions the target
                     writes and answers), docs (installed packages' READMEs and Python's pydoc topics,
                     read teacher-forced), an earlier run's data.pt, or JSONL files of {"prompt"} or
-                    {"text"} (read teacher-forced) rows (sources.py)
+                    {"text"} (read teacher-forced) rows (sources.py); `auto` (default): ask:2000,docs for
+                    a target with a chat template, else bundled,docs (what made the shipped head)
     eval            comma-separated prompt sets held out whole, answered only for the report (e.g.
                     chat,grounded)
     minutes         time budget: data, training and the report
@@ -72,21 +73,21 @@ class Recipe:
 
     target: str | None = None
     out: str = field(default="eagle-head", metadata={"metavar": "DIR"})
-    data: str = field(default="chat,grounded,bundled", metadata={"metavar": "SETS"})
+    data: str = field(default="auto", metadata={"metavar": "SETS"})
     eval: str = field(default="", metadata={"metavar": "SETS"})
     minutes: float = field(default=40.0, metadata={"metavar": "M"})
     kind: str = field(default="eagle", metadata={"metavar": "KIND"})
-    draft_vocab: int = field(default=8192, metadata={"metavar": "N"})  # 0 or >= vocab: the full vocabulary
+    draft_vocab: int = field(default=16384, metadata={"metavar": "N"})  # 0 or >= vocab: the full vocabulary
     resume: bool = False
     holdout: int = field(default=8, metadata={"metavar": "N"})
-    samples: int = field(default=4, metadata={"metavar": "K"})
+    samples: int = field(default=3, metadata={"metavar": "K"})
     temperature: float = field(default=0.8, metadata={"metavar": "T"})
     max_new_tokens: int = field(default=192, metadata={"metavar": "N"})
-    data_share: float = field(default=0.3, metadata={"metavar": "F"})
+    data_share: float = field(default=0.45, metadata={"metavar": "F"})
     batch: int = field(default=64, metadata={"metavar": "N"})
-    ttt: int = field(default=1, metadata={"metavar": "S"})
+    ttt: int = field(default=2, metadata={"metavar": "S"})
     lr: float = field(default=1e-3, metadata={"metavar": "LR"})
-    freeze_lm_head: bool = False
+    freeze_lm_head: bool = True
     steps: int | None = field(default=None, metadata={"metavar": "N", "none_as": 0})
     seed: int = field(default=0, metadata={"metavar": "N"})
     dtype: str | None = field(default=None, metadata={"metavar": "NAME", "none_as": "auto"})
@@ -116,7 +117,10 @@ def _sources(recipe: Recipe, tokenizer) -> tuple[list[tuple[list[list[int]], int
             raise ValueError(f"--eval {name!r} is not a prompt set ({', '.join(NAMED)})")
         ids = token_ids(load_prompts(name), chat and name != "bundled")
         sets.append((ids, len(ids)))
-    for name in [s.strip() for s in recipe.data.split(",") if s.strip()]:
+    data = recipe.data
+    if data.strip() == "auto":
+        data = "ask:2000,docs" if chat else "bundled,docs"
+    for name in [s.strip() for s in data.split(",") if s.strip()]:
         if name in held_whole:
             raise ValueError(f"{name!r} is both training data (--data) and held out (--eval)")
         if name.startswith("self:") and name[5:].isdigit():
