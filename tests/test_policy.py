@@ -455,9 +455,10 @@ def test_cost_tables_are_kept_on_disk(tmp_path, monkeypatch):
     assert set(first.first_s) == {2} and 0 <= first.first_s[2] <= first.verify_s[(2, 2)] - first.verify_s[(2, 1)]
     # the target's passes of one row count share one buffer, as wide as the widest
     assert buffers == [(1, profile.CONTEXT + 2), (2, profile.CONTEXT + 2)]
+    stale = profile.STALE
     monkeypatch.setattr(profile, "STALE", 0.0)  # (a table of a tiny model is noise itself)
     assert cost_table() == first and len(measured) == 1 and len(checked) == 2  # read back: only the check ran
-    monkeypatch.setattr(profile, "STALE", 0.7)
+    monkeypatch.setattr(profile, "STALE", stale)
     busy = json.loads(files[0].read_text())
     busy["verify_s"] = [[b, n, 1000 * s] for b, n, s in busy["verify_s"]]
     files[0].write_text(json.dumps(busy))
@@ -471,6 +472,18 @@ def test_cost_tables_are_kept_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("BATCHSPEC_CACHE", "off")
     cost_table()
     assert len(measured) == 4 and not list((tmp_path / "profiles").iterdir())
+
+
+def test_a_kept_table_whose_plain_pass_read_slow_is_measured_again():
+    """The worked example of `profile.stale`: a plain pass 20 % faster now than the table says
+    means the table was taken at a busy moment (its shape reads drafts as cheap)."""
+    from batchspec.sched.costs import CostTable
+    from batchspec.sched.profile import stale
+
+    table = CostTable((1, 8), (1, 2), {(1, 1): 0.040, (1, 2): 0.042, (8, 1): 0.054, (8, 2): 0.071}, {}, 0.0, {})
+    assert stale(table, {1: 0.032, 8: 0.054})  # the 1-row plain pass read 25 % slow
+    assert not stale(table, {1: 0.038, 8: 0.053})  # within the noise a check itself carries
+    assert stale(table, {1: 0.040, 8: 0.045})
 
 
 # ----------------------------------------------------------------------------- exactness with the policy on
