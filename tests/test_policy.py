@@ -481,9 +481,9 @@ def test_a_kept_table_whose_plain_pass_read_slow_is_measured_again():
     from batchspec.sched.profile import stale
 
     table = CostTable((1, 8), (1, 2), {(1, 1): 0.040, (1, 2): 0.042, (8, 1): 0.054, (8, 2): 0.071}, {}, 0.0, {})
-    assert stale(table, {1: 0.032, 8: 0.054})  # the 1-row plain pass read 25 % slow
-    assert not stale(table, {1: 0.038, 8: 0.053})  # within the noise a check itself carries
-    assert stale(table, {1: 0.040, 8: 0.045})
+    assert stale(table, {1: 0.032, 8: 0.054}.__getitem__)  # the 1-row plain pass read 25 % slow
+    assert not stale(table, {1: 0.038, 8: 0.053}.__getitem__)  # within the noise a check itself carries
+    assert stale(table, {1: 0.040, 8: 0.045}.__getitem__)
 
 
 # ----------------------------------------------------------------------------- exactness with the policy on

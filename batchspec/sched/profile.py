@@ -12,6 +12,8 @@ pass now runs in under STALE of what it says (it was taken at a busy moment: see
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import cache
@@ -46,25 +48,26 @@ def cost_table(target, drafter, draft_model, batch_size: int, gamma: int, forwar
                                                     "forward": forward, "kernels": kernels, "lean": LEAN_REVISION,
                                                     "table": 4})
     table = _read(path)
-    if table is None or stale(table, {b: step_time(target, b, CONTEXT, 1, 3, forward) for b in rows}):
+    if table is None or stale(table, lambda b: step_time(target, b, CONTEXT, 1, 3, forward)):
         table = measure(target, drafter, rows, cols, forward)
         cache.write(path, table.to_json())
     _TABLES[key] = table
     return table
 
 
-def stale(table: CostTable, plain_now: dict[int, float]) -> bool:
-    """Whether a kept table was measured at a busy moment: a plain pass at some row count now runs
-    in under STALE of the time the table says. Other work only ever adds time, and what it adds to
-    the plain pass skews the table's shape the harmful way: V(b, n) / V(b, 1) reads flat, so drafts
-    look cheap. Seen on SmolLM2: a kept table read 54 ms for a 1-row pass of 1 to 4 tokens, where a
-    quiet machine times 32 ms for 1 and 42.5 for 5; the check at load, itself on a busy machine, did
-    not fall under 0.7 of it, and the default made 0.92x plain decoding at 32 rows on that table and
-    0.99x once it was measured again. 0.9 leaves a busy table less room.
+def stale(table: CostTable, plain_now: Callable[[int], float]) -> bool:
+    """Whether a kept table was measured at a busy moment: a plain pass at some row count b
+    (`plain_now(b)`, timed only until one is found) now runs in under STALE of the time the table
+    says. Other work only ever adds time, and what it adds to the plain pass skews the table's
+    shape the harmful way: V(b, n) / V(b, 1) reads flat, so drafts look cheap. Seen on SmolLM2: a
+    kept table read 54 ms for a 1-row pass of 1 to 4 tokens, where a quiet machine times 32 ms for
+    1 and 42.5 for 5; the check at load, itself on a busy machine, did not fall under 0.7 of it,
+    and the default made 0.92x plain decoding at 32 rows on that table and 0.99x once it was
+    measured again. 0.9 leaves a busy table less room.
 
     Example, STALE 0.9: the table says 40 ms at one row, a plain pass now takes 32 -> 32 < 36: stale.
     Now 38 (a busy check, or the table is right) -> kept."""
-    return any(now < STALE * table.verify_s[(b, 1)] for b, now in plain_now.items())
+    return any(plain_now(b) < STALE * table.verify_s[(b, 1)] for b in table.rows)
 
 
 def _read(path) -> CostTable | None:
