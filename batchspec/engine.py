@@ -121,7 +121,8 @@ class SpecEngine:
             table = cost_table(self.pair.target, self.drafter, self.pair.draft if self.draft_runner else None,
                                cfg.batch_size, cfg.gamma, cfg.forward)
             table = replace(table, scale=dict(table.scale), _by_rows={})  # (corrected per engine)
-        return SpecPolicy(cfg.gamma, table, cfg.budget, sources=self.drafter.sources)
+        return SpecPolicy(cfg.gamma, table, cfg.budget, sources=self.drafter.sources,
+                          confident=self.drafter.confident)
 
     def _row_capacity(self, target, draft) -> int:
         """Columns per row: `max_kv_tokens` / rows, or the model context (+ one round), capped so

@@ -228,3 +228,20 @@ def test_replaying_a_policy_does_not_touch_the_trace():
     chooser = PolicyChooser(SpecPolicy(2, copy.deepcopy(trace.table)))
     replay(trace, chooser, chooser.observe)
     assert trace.rounds == before.rounds and trace.table == before.table
+
+
+def test_the_oracle_plans_on_each_requests_true_rates():
+    """Hindsight's plan reads the truth, whatever the records say: a request whose drafts are all
+    accepted drafts to its cap, one whose drafts never are drafts none, beside it in one round."""
+    from batchspec.core.request import AcceptanceRecord, RequestStats
+    from batchspec.sched.replay import Hindsight
+
+    sure, never = AcceptanceRecord(), AcceptanceRecord()
+    for _ in range(20):
+        sure.add(3, 3)
+        never.add(0, 3)
+    passes = {(b, c): 0.02 * b + 0.001 * (c - 1) for b in (1, 2) for c in range(1, 5)}
+    oracle = Hindsight(3, CostTable((1, 2), (1, 2, 3, 4), passes, {1: 0.001, 2: 0.0015}), (False,),
+                       {(7, False): sure, (8, False): never})
+    oracle.ids = [7, 8]
+    assert oracle.plan([RequestStats(), RequestStats()], [3, 3], [None, None], [False, False]).lengths == [3, 0]

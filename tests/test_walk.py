@@ -54,10 +54,12 @@ def test_a_walk_reads_each_view():
     walk = _worked_walk()
     walk.requests[0]["at"] = {0: [4, 1, 3, 2], 1: [4, 1, 0, 0]}
     assert walk.views == ("model", "hybrid", "lookup")
-    assert walk.ask(0, 0, "model") == (4, None, 1)
-    assert walk.ask(0, 0, "hybrid") == walk.ask(0, 0, "lookup") == (4, 3, 2)
-    assert walk.ask(0, 1, "hybrid") == (4, None, 1) and walk.ask(0, 1, "lookup") == (4, 0, 0)
-    assert walk.ask(0, 2, "hybrid") == (0, None, 0)  # (never asked there: no draft)
+    assert walk.ask(0, 0, "model") == (4, None, 1, None)
+    assert walk.ask(0, 0, "hybrid") == walk.ask(0, 0, "lookup") == (4, 3, 2, None)
+    assert walk.ask(0, 1, "hybrid") == (4, None, 1, None) and walk.ask(0, 1, "lookup") == (4, 0, 0, None)
+    assert walk.ask(0, 2, "hybrid") == (0, None, 0, None)  # (never asked there: no draft)
+    walk.requests[0]["at"][1].append([0.9, 0.4])  # (the model's confidences, recorded to where it drafted)
+    assert walk.ask(0, 1, "hybrid") == (4, None, 1, [0.9, 0.4, 0.0, 0.0]) and walk.confident
     with pytest.raises(ValueError, match="simulated as model"):
         simulate(_worked_walk(), fixed(1), "hybrid")
 
@@ -108,7 +110,7 @@ def test_a_probe_judges_every_position_against_the_final_tokens(monkeypatch):
     finals = {tuple(q): q + out for q, out in zip(ids, references(p, ids, 16))}
     assert all(r["emitted"] == 16 and set(range(1, 15)) <= set(r["at"]) for r in walk.requests.values())
     judged = 0
-    for req, at, model, lookup in asked:
+    for req, at, model, lookup, _ in asked:
         final = finals[tuple(req.token_ids[:req.prompt_len])][at:]
         cap, a_model, n_lookup, a_lookup = walk.requests[req.index]["at"][at - req.prompt_len]
         for proposal, got in ((model, a_model), (lookup, a_lookup)):
@@ -140,18 +142,15 @@ VIEWS = [(p, v) for p in WALKS for v in Walk.load(p).views]
 
 @pytest.mark.parametrize("path,view", VIEWS, ids=[f"{p.stem}-{v}" for p, v in VIEWS])
 def test_the_policy_on_recorded_walks(path, view):
-    """Issues 70 and 71's goals on the shipped walks (tests/walks: the bundled pair's hybrid and
-    SmolLM2's default hybrid of the suffix lookup and its head, at batch 1, 8 and 32, and SmolLM2
-    at 4), rows moving as the policy's plans move them: within 5 % of the hindsight oracle in every
-    view, and for what the defaults run (the hybrid) never more than 2 % below the best fixed γ nor
-    below 0.98x plain decoding. Not met on two SmolLM2 walks, held at their floors (`SHORT`):
-    at 32 rows the hybrid makes 0.988x plain decoding (0.956x when a draining round's drafts were
-    priced row by row, each at the rank its row was expected to finish at) and the clairvoyant
-    plan, one round at a time, 0.968x: there a pass with any row fed a draft costs 1.34x a
-    plain one on this CPU, and rows that race ahead leave the job's end to part-empty rounds; at
-    4 rows, 0.979x (0.970x so priced; a pass of 4 rows fed 2 tokens each costs 1.6x a plain one
-    there), what exploring costs: without the bonus the policy stays plain there (0.995x), and
-    loses the head at batch 1 (1.06x against 1.16x)."""
+    """Issues 70 and 71's goals on the shipped walks (tests/walks: the bundled pair's hybrid, and
+    SmolLM2's default hybrid of the suffix lookup and its head with the head's confidences recorded,
+    so its rows are gated as the engine gates them: sched/gate.py), rows moving as the policy's
+    plans move them: within 5 % of the hindsight oracle in every view, and for what the defaults
+    run (the hybrid) never more than 2 % below the best fixed γ nor below 0.98x plain decoding.
+    Not met on SmolLM2's 4-row walk, held at its floor (`SHORT`): 0.975x plain decoding (ungated,
+    0.982x; the gate kept 18 head drafts over the walk, the rest is the trajectory: at 2-4 rows a
+    policy at the margin of drafting moves by up to 9 % on parts of a walk when its exploration
+    bonus moves by 4 %); there a pass of 4 rows fed 2 tokens each costs 1.6x a plain one."""
     walk = Walk.load(path)
     res = compare(walk, view)
     best = max(v for k, v in res.items() if k.startswith("fixed"))
@@ -161,7 +160,7 @@ def test_the_policy_on_recorded_walks(path, view):
         assert res["policy"] >= SHORT.get(path.stem, 0.98) * res["plain"], res
 
 
-SHORT = {"smollm2_b32": 0.975, "smollm2_b4": 0.975}  # floors of the walks where the defaults lose to plain decoding
+SHORT = {"smollm2_b4": 0.97}  # floors of the walks where the defaults lose to plain decoding
 
 
 def test_a_draining_batch_prices_a_round_by_what_it_takes_off_the_jobs_rest():
@@ -250,8 +249,9 @@ def test_only_a_closed_job_drains():
 
 
 def test_drain_pricing_raises_the_32_row_walk():
-    """On SmolLM2's 32-row walk the hybrid, priced as if requests always waited, makes 0.932x
-    plain decoding; pricing a draining job's rounds by what they take off its rest, 0.988x."""
+    """On SmolLM2's 32-row walk (the chat and grounded sets, 64 prompts x 48 tokens) the hybrid,
+    priced as if requests always waited, makes 0.959x plain decoding; pricing a draining job's
+    rounds by what they take off its rest, 0.981x."""
     walk = Walk.load(Path(__file__).parent / "walks" / "smollm2_b32.json")
 
     class Steady(SpecPolicy):
@@ -262,4 +262,4 @@ def test_drain_pricing_raises_the_32_row_walk():
     for name, cls in (("steady", Steady), ("drain", SpecPolicy)):
         chooser = PolicyChooser(cls(walk.gamma, copy.deepcopy(walk.table), sources=(False, True)))
         rates[name] = simulate(walk, chooser, "hybrid", chooser.observe) / plain
-    assert rates["drain"] > 1.04 * rates["steady"], rates
+    assert rates["drain"] > 1.02 * rates["steady"], rates

@@ -45,6 +45,17 @@ class AcceptanceRecord:
             self.reached[j] += 1
             self.accepted[j] += j < a
 
+    def expect(self, j: int, chance: float) -> None:
+        """A draft at position j reached (every earlier one accepted) and not verified, counted at
+        its chance of acceptance (a draft a gate dropped: sched/gate.py), so that the record stays
+        what drafting there accepts, not what the drafts the gate kept did."""
+        if len(self.reached) <= j:
+            grow = j + 1 - len(self.reached)
+            self.reached += [0] * grow
+            self.accepted += [0] * grow
+        self.reached[j] += 1
+        self.accepted[j] += chance
+
 
 @dataclass
 class RequestStats:

@@ -69,13 +69,16 @@ def run_round(batch: list[Request], target, drafter, policy, gamma: int, timer, 
     # draft and prune: a drafter may find fewer tokens than planned for some rows
     draft_s, looked, planned = 0.0, [o is not None for o in offer or [None] * b], list(lengths)
     if any(lengths):
-        g = max(lengths)
+        gate = decision.gate if decision is not None else None
+        asked = gate.limits if gate is not None else lengths  # (gated: each row's most; the gate stops it)
+        g = max(asked)
         tick = time.perf_counter()
         with timer.stage("draft"):
-            proposal = drafter.propose(batch, lengths, None if u is None else u[:, :g], sampling)
+            proposal = drafter.propose(batch, asked, None if u is None else u[:, :g], sampling,
+                                       **({"gate": gate} if gate is not None else {}))
         draft_s = time.perf_counter() - tick
         if proposal.lengths is not None:
-            lengths = [min(n, m) for n, m in zip(lengths, proposal.lengths)]
+            lengths = [min(n, m) for n, m in zip(asked, proposal.lengths)]
         looked = proposal.looked or [False] * b
         drafts = proposal.tokens[:, :max(lengths)]
         q = proposal.probs[:, :drafts.shape[1]] if proposal.probs is not None else None

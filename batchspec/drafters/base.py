@@ -42,6 +42,9 @@ class DraftProposal:
     # rows a lookup drafted (a hybrid's lookup rows, or every row of a lookup drafter): their records
     # are kept apart from a model's (core/request.py, `RequestStats.record`)
     looked: list[bool] | None = None
+    # [B, g] a confident drafter's confidence in each draft (max q_ij, read before d_ij is drawn;
+    # 0 where it drafted nothing): what a gate steers by and a walk records. None: not known
+    confidence: torch.Tensor | None = None
 
 
 @dataclass
@@ -63,6 +66,9 @@ class Drafter(Protocol):
     synthetic: bool  # True for drafters that cheat (know the answer); reports must say so
     features: tuple[int, ...] | None  # target layers whose hidden states it drafts from; None: none
     sources: tuple[bool, ...]  # what `offer` may name: True, a lookup's rows; False, rows a model step drafts
+    # True: `propose` reports each draft's confidence and takes `gate` (sched/gate.py), which stops
+    # the rows it steers where their next draft is not worth its price, before its step is paid
+    confident: bool
 
     def step_probe(self, rows: int, context: int) -> Callable[[], float] | None:
         """A function that runs one draft step of `rows` rows (one token each, over `context`
@@ -83,9 +89,11 @@ class Drafter(Protocol):
         skip this; `propose` must then catch up on whatever it has not seen."""
 
     def propose(self, reqs: list[Request], lengths: list[int], uniforms: torch.Tensor | None,
-                sampling: BatchSampling) -> DraftProposal:
+                sampling: BatchSampling, gate=None) -> DraftProposal:
         """Draft up to lengths[i] tokens for row i (`reqs` in slot order); uniforms [B, max
-        lengths] drive sampling (None when every row is greedy)."""
+        lengths] drive sampling (None when every row is greedy). `gate` (only for a `confident`
+        drafter): lengths[i] is row i's most, and at each depth the gate is told the confidence of
+        the rows it steers and says which go on (sched/gate.py)."""
 
     def observe(self, reqs: list[Request], outcome: RoundOutcome) -> None:
         """The target verified outcome.lengths[i] of row i's drafts and accepted outcome.accepted[i]."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -33,6 +34,9 @@ from ..core.request import Request
 from ..eagle.head import EagleHead
 from ..sampling import BatchSampling, probabilities, sample
 from .base import DraftProposal, RoundOutcome
+
+if TYPE_CHECKING:
+    from ..sched.gate import Gate
 
 
 class _Row:
@@ -64,6 +68,7 @@ class EagleDrafter:
     label = "eagle"
     synthetic = False
     sources = (False,)
+    confident = True  # each draft's max q is known before it is drawn: its rows can be gated (sched/gate.py)
     name = "eagle"  # its key in `Request.kv_len`
 
     def __init__(self, head: EagleHead, vocab_size: int, dtype: torch.dtype | None = None) -> None:
@@ -194,35 +199,52 @@ class EagleDrafter:
             self._enter([r for r, _ in ready], [u for _, u in ready])
 
     def propose(self, reqs: list[Request], lengths: list[int], uniforms: torch.Tensor | None,
-                sampling: BatchSampling) -> DraftProposal:
+                sampling: BatchSampling, gate: Gate | None = None) -> DraftProposal:
         """Draft lengths[i] tokens for row i; a row without the features of its newest positions
-        (never prefilled with features, or a round it missed) drafts none this round."""
+        (never prefilled with features, or a round it missed) drafts none this round. With a `gate`
+        (sched/gate.py) lengths[i] is row i's most and the gate stops the rows it steers: each
+        depth's step runs for the rows it lets go on, and a row's length is where it stopped."""
         b, g = len(reqs), max(lengths, default=0)
         asked, lengths = list(lengths), list(lengths)
         for i, r in enumerate(reqs):
             newest = r.num_tokens - 1
             if lengths[i] > 0 and (self._have(r) or -1) < newest:
                 lengths[i] = 0  # its newest entry's feature is unknown
+                if gate is not None:
+                    gate.drop(i)
             if lengths[i] > 0:
                 self._newest[r.index] = newest
         tokens = torch.zeros(b, g, dtype=torch.long, device=self.device)
         probs = None if sampling.all_greedy else torch.zeros(b, g, self.vocab_size, device=self.device)
+        confidence = torch.zeros(b, g, device=self.device)
         live = [i for i in range(b) if lengths[i] > 0]
+        at = list(range(len(live)))  # the rows (indices into live) whose logits are of this depth
+        going = set(gate.live()) if gate is not None else None
         if live:
             logits, out = self._enter([reqs[i] for i in live], [reqs[i].num_tokens - 1 for i in live])
             columns = [self._committed(reqs[i]) for i in live]
             for j in range(g):
                 if j > 0:
-                    live_j = [k for k, i in enumerate(live) if lengths[i] > j]
-                    ids = tokens[[live[k] for k in live_j], j - 1][:, None]
+                    at = [k for k, i in enumerate(live) if (i in going if going is not None and gate.steered[i]
+                                                            else lengths[i] > j)]
+                    if not at:
+                        break
+                    ids = tokens[[live[k] for k in at], j - 1][:, None]
                     with torch.no_grad():
                         step_logits, step_out = self.head.step(
-                            self.kv, [self.state[reqs[live[k]].index].slot for k in live_j], ids,
-                            out[live_j][:, None], [columns[k] + j - 1 for k in live_j])
+                            self.kv, [self.state[reqs[live[k]].index].slot for k in at], ids,
+                            out[at][:, None], [columns[k] + j - 1 for k in at])
                     logits, out = logits.clone(), out.clone()
-                    logits[live_j], out[live_j] = step_logits[:, 0], step_out[:, 0]
-                self._draft(j, live, logits, tokens, probs, uniforms, sampling)
-        return DraftProposal(tokens, probs, lengths=lengths if lengths != asked else None)
+                    logits[at], out[at] = step_logits[:, 0], step_out[:, 0]
+                rows = [live[k] for k in at]
+                confidence[rows, j] = self._draft(j, live, at, logits, tokens, probs, uniforms, sampling)
+                if gate is not None:
+                    steered = [i for i in rows if i in going]
+                    if steered:
+                        going = set(gate.step(j + 1, steered, confidence[steered, j].tolist()))
+            if gate is not None:
+                lengths = gate.settle()
+        return DraftProposal(tokens, probs, lengths=lengths if lengths != asked else None, confidence=confidence)
 
     def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [b, V_draft] -> over the target vocabulary [b, V], -inf outside the draft's."""
@@ -233,26 +255,31 @@ class EagleDrafter:
         full[:, ids] = logits.float()
         return full[:, : self.vocab_size]
 
-    def _draft(self, j: int, live: list[int], logits: torch.Tensor, tokens: torch.Tensor, probs, uniforms,
-               sampling: BatchSampling) -> None:
-        """Draft token j of the live rows from their logits [len(live), V_draft]."""
+    def _draft(self, j: int, live: list[int], at: list[int], logits: torch.Tensor, tokens: torch.Tensor, probs,
+               uniforms, sampling: BatchSampling) -> torch.Tensor:
+        """Draft token j of the live rows from their logits [len(live), V_draft]; returns the
+        confidence of rows live[at] (max q: the greedy head's softmax, or the q a sampled row draws
+        from), read off the distribution, never off the drawn token."""
         ids = self._ids
         if probs is None and (ids is None or int(ids[-1]) < self.vocab_size):
             # greedy: the argmax over the draft vocabulary, mapped (ids ascend: the same ties)
-            best = logits[:, : self.vocab_size].argmax(-1) if ids is None else logits.argmax(-1)
+            scores = (logits[:, : self.vocab_size] if ids is None else logits).float()
+            best = scores.argmax(-1)
             tokens[live, j] = best if ids is None else ids[best]
-            return
+            return (scores[at].amax(-1) - scores[at].logsumexp(-1)).exp()
         full = torch.full((tokens.shape[0], self.vocab_size), float("-inf"), device=self.device)
         full[live] = self._target_logits(logits)
+        rows = [live[k] for k in at]
         if probs is None:
             tokens[live, j] = full[live].argmax(-1)
-            return
+            return (full[rows].amax(-1) - full[rows].logsumexp(-1)).exp()
         idle = sorted(set(range(tokens.shape[0])) - set(live))
         full[idle, 0] = 0.0  # (rows not drafting: any finite row)
         q = probabilities(full[:, None], sampling)[:, 0]  # [B, V]
         token = sample(q, uniforms[:, j])
         tokens[live, j] = token[live]
         probs[live, j] = q[live]
+        return q[rows].amax(-1)
 
     def observe(self, reqs: list[Request], outcome: RoundOutcome) -> None:
         """Keep the features of each row's verified columns up to its last accepted one. Called

@@ -46,6 +46,7 @@ class HybridDrafter:
     def __init__(self, model: DraftModelDrafter, lookup: LookupDrafter) -> None:
         self.model, self.lookup = model, lookup
         self.features = model.features if model is not None else None
+        self.confident = model is not None and model.confident  # (a gate steers the model's rows)
         self.label = "hybrid:" + lookup.label + ("+" + model.label if self.features else "")
         self._model_rows: list[int] = []  # rows the draft model drafted for this round
 
@@ -61,11 +62,15 @@ class HybridDrafter:
             self.model.prefill(reqs, ends, hidden, counts)
 
     def propose(self, reqs: list[Request], lengths: list[int], uniforms: torch.Tensor | None,
-                sampling: BatchSampling) -> DraftProposal:
+                sampling: BatchSampling, gate=None) -> DraftProposal:
         found = self.lookup.lookups(reqs, lengths)
         gamma, device = max(lengths), self.model.device
         tokens = padded(found, gamma, 0, device, torch.long)
         rows = self._model_rows = [i for i, (f, n) in enumerate(zip(found, lengths)) if n > 0 and not f]
+        if gate is not None:
+            for i, f in enumerate(found):
+                if f and gate.steered[i]:
+                    gate.drop(i)  # (the lookup drafts it after all)
         out = [len(f) for f in found]
         looked = [bool(f) for f in found]
         if not rows:
@@ -74,7 +79,8 @@ class HybridDrafter:
         sub_lengths = [lengths[i] for i in rows]
         width = max(sub_lengths)
         drafted = self.model.propose(sub, sub_lengths, uniforms[rows, :width] if uniforms is not None else None,
-                                     BatchSampling.of([r.params for r in sub], device))
+                                     BatchSampling.of([r.params for r in sub], device),
+                                     **({"gate": gate.sub(rows)} if gate is not None else {}))
         index = torch.tensor(rows, device=device)
         tokens[index, :width] = drafted.tokens
         probs = None
@@ -82,9 +88,13 @@ class HybridDrafter:
             probs = torch.zeros(len(reqs), gamma, drafted.probs.shape[-1], dtype=drafted.probs.dtype, device=device)
             probs.scatter_(-1, tokens.unsqueeze(-1), 1.0)
             probs[index, :width] = drafted.probs
-        for i, n in zip(rows, sub_lengths):
+        for i, n in zip(rows, drafted.lengths or sub_lengths):
             out[i] = n
-        return DraftProposal(tokens, probs, out, looked=looked)
+        confidence = None
+        if drafted.confidence is not None:
+            confidence = torch.zeros(len(reqs), gamma, device=device)
+            confidence[index, :width] = drafted.confidence
+        return DraftProposal(tokens, probs, out, looked=looked, confidence=confidence)
 
     def observe(self, reqs: list[Request], outcome: RoundOutcome) -> None:
         rows, self._model_rows = self._model_rows, []
@@ -114,6 +124,7 @@ class Alongside(HybridDrafter):
     are [5, 9, 4, ...] -> (3 proposed, 2 accepted)."""
 
     sources = (False,)  # (the lookup is only asked alongside)
+    confident = False  # (recorded at fixed γ)
 
     def __init__(self, hybrid: HybridDrafter) -> None:
         if hybrid.model is None:

@@ -39,6 +39,7 @@ class DraftModelDrafter:
     synthetic = False
     features = None
     sources = (False,)
+    confident = False
 
     def __init__(self, runner: ModelRunner, window: int | None = None, forward: str = "auto") -> None:
         self.runner, self.forward = runner, forward  # (forward: how `step_probe` runs it, as the runner does)

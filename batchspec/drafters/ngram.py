@@ -103,6 +103,7 @@ class LookupDrafter:
     synthetic = False
     features = None
     sources = (True,)
+    confident = False
     device = None
     _found: tuple[tuple, list[list[int]]] | None = None  # the last offer: (its rows, what it found)
 

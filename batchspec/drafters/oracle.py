@@ -40,6 +40,7 @@ class OracleDrafter:
     synthetic = True
     features = None
     sources = (False,)
+    confident = False
 
     def __init__(self, references: MutableMapping[tuple[int, ...], list[int]], mismatch: Mismatch,
                  vocab_size: int, device, cost_model: DraftModelDrafter | None = None,

@@ -27,7 +27,8 @@ from .base import DraftProposal, RoundOutcome
 class Probe:
     """`model`: a drafter whose rows cost a step (None: none); `lookup`: a `LookupDrafter` (None:
     none). `take()` hands over each round's asks: (request, its length then, the model's
-    proposal or None, the lookup's or None) per row."""
+    proposal or None, the lookup's or None, the model's confidence in each of its drafts or None)
+    per row."""
 
     synthetic = False
 
@@ -37,8 +38,9 @@ class Probe:
         self.model, self.lookup = model, lookup
         self.features = model.features if model is not None else None
         self.sources = (False,)  # (every row is "drafted" by a step, or by nothing: a plain pass)
+        self.confident = False  # (fixed γ: every row drafts its cap; a confident model's confidences are kept)
         self.label = "probe:" + (model.label if model is not None else lookup.label)
-        self._asked: list[tuple[Request, int, list[int] | None, list[int] | None]] | None = None
+        self._asked: list[tuple] | None = None
 
     @classmethod
     def of(cls, drafter) -> Probe:
@@ -59,7 +61,7 @@ class Probe:
 
     def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
         found = self.lookup.lookups(reqs, caps) if self.lookup is not None else [None] * len(reqs)
-        self._asked = [(r, r.num_tokens, None, f) for r, f in zip(reqs, found)]
+        self._asked = [(r, r.num_tokens, None, f, None) for r, f in zip(reqs, found)]
         return [None] * len(reqs)  # (fixed γ: every row is planned at its cap)
 
     def prefill(self, reqs: list[Request], ends: list[int], hidden=None, counts=None) -> None:
@@ -74,12 +76,13 @@ class Probe:
             drafted = self.model.propose(reqs, lengths, uniforms, sampling)
             rows = drafted.tokens.tolist()
             cut = drafted.lengths or lengths
-            self._asked = [(r, at, row[:min(n, m)], f) for (r, at, _, f), row, n, m in
-                           zip(self._asked, rows, lengths, cut)]
+            sure = drafted.confidence.tolist() if drafted.confidence is not None else [None] * b
+            self._asked = [(r, at, row[:min(n, m)], f, c and [round(x, 3) for x in c[:min(n, m)]])
+                           for (r, at, _, f, _), row, n, m, c in zip(self._asked, rows, lengths, cut, sure)]
         device = self.model.device if self.model is not None else None
         return DraftProposal(torch.zeros(b, 0, dtype=torch.long, device=device), None, [0] * b, looked=[False] * b)
 
-    def take(self) -> list[tuple[Request, int, list[int] | None, list[int] | None]] | None:
+    def take(self) -> list[tuple] | None:
         """The last round's asks, once."""
         asked, self._asked = self._asked, None
         return asked

@@ -39,9 +39,15 @@ the drafts it found and costs no step. A lookup costs host time every round, so 
 plan is asked of an optimistic offer (every row's cap, free); when even that is a plain round the
 lookups are skipped. Seeded sampled rows are `held` at their cap: which uniform serves which token
 depends on how many drafts a round verifies, so their lengths must not depend on the batch, and
-no length depends on a row's own draft tokens (lossless sampling). With `budget` C (TETRIS's fixed
+no length depends on a row's own draft tokens (lossless sampling; a gate reads the distribution each
+draft is drawn from, never the draft). With `budget` C (TETRIS's fixed
 budget), at most C drafts a round are verified, the likeliest first; without a cost table (fixed
 γ: `--no-adaptive`) every row verifies its cap.
+
+A drafter that knows its confidence in each draft before drawing it (`confident`: an EAGLE head)
+has its rows gated (`gate.py`): the plan's lengths say which rows start, up to their caps, and
+at each depth the plan is made again with the rows' chances read off the head's max q, so a
+sure row goes deeper and an unsure one stops before its next step is paid.
 
 Example, b = 8, D = 2 ms, V(8, n) = 20 + 4 (n - 1) ms, s = 0.5 ms, every rate 0.6: plain decoding
 8 tokens / 20 ms = 400 tok/s; every row drafting 1: 8 x 1.6 / (2 + 24 - 0) ms = 492 tok/s; 2 each:
@@ -52,11 +58,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 from ..core.request import AcceptanceRecord
 from .costs import CostTable
 from .drain import Tail
 from .drain import tail as drain_tail
+from .gate import Calibration, Gate
 from .tetris import best_budget, cumulative, rate_of, select
 
 SHRINK = 16.0  # drafts' worth of the pair's rate that a row's own record starts from
@@ -71,6 +79,8 @@ class Decision:
     lengths: list[int]
     model_rows: list[bool]  # drafted by a model step (False: by a lookup, or not at all)
     planned: bool  # the cost table chose it (False: fixed γ, or a held/budgeted shape)
+    gate: Gate | None = None  # a confident drafter's rows are steered by it (`gate.py`): lengths is its start
+    stats: list | None = None  # the rows' `RequestStats` (a gate's dropped drafts count in their records)
 
 
 @dataclass
@@ -82,6 +92,8 @@ class SpecPolicy:
     # the sources the drafter offers (True: a lookup, False: a model step), each priced optimistically
     # (`worth_offering`) even before a draft of it was verified
     sources: tuple[bool, ...] = (False,)
+    confident: bool = False  # the drafter gives each draft's confidence: its rows are gated (`gate.py`)
+    calibration: Calibration = field(default_factory=Calibration)  # chance of acceptance by confidence
     _plain: tuple | None = None  # the rows for which an optimistic plan was plain, the records' age and t's doubling
     _age: int = 0  # rounds that verified drafts so far (records change only then)
     _rounds: int = 0  # rounds asked about so far (`worth_offering`): t of the spread
@@ -108,16 +120,17 @@ class SpecPolicy:
 
     def gains(self, stats: list, looked: list[bool], caps: list[int]) -> list[list[float]]:
         """G_ij for each row (its request's `RequestStats`), up to its cap."""
+        return [cumulative(r) for r in self.rates(stats, looked, caps)]
+
+    def rates(self, stats: list, looked: list[bool], caps: list[int]) -> list[list[float]]:
+        """r_ij for each row, up to its cap."""
         priors = {lk: self.prior(lk) for lk in set(looked)}
         out = []
         for s, lk, c in zip(stats, looked, caps):
             rec, prior = s.records.get(lk), priors[lk]
-            if rec is None:
-                out.append(cumulative(prior[:c]))
-                continue
-            seen = len(rec.reached)
-            out.append(cumulative([(rec.accepted[j] + SHRINK * p) / (rec.reached[j] + SHRINK) if j < seen else p
-                                   for j, p in enumerate(prior[:c])]))
+            seen = len(rec.reached) if rec is not None else 0
+            out.append([(rec.accepted[j] + SHRINK * p) / (rec.reached[j] + SHRINK) if j < seen else p
+                        for j, p in enumerate(prior[:c])])
         return out
 
     def tail(self, left: list[int] | None) -> Tail | None:
@@ -157,25 +170,45 @@ class SpecPolicy:
         caps = [c if o is None else min(c, o) for c, o in zip(caps, offer)]
         model_rows = [not lk and c > 0 for lk, c in zip(looked, caps)]
         fixed = [c if h else 0 for c, h in zip(caps, held)]
-        gains = None
+        gains = rates = None
         if self.table is None:
             lengths = list(caps)
         else:
-            gains = self.gains(stats, looked, caps)
+            rates = self.rates(stats, looked, caps)
+            gains = [cumulative(r) for r in rates]
             lengths = self._best(gains, caps, model_rows, fixed, self.tail(left))
         if self.budget is not None and sum(lengths) > self.budget:
             gains = gains or self.gains(stats, looked, lengths)
             lengths = select([g[:n] for g, n in zip(gains, lengths)], self.budget, fixed)
+        gate = None
+        steered = [m and not h for m, h in zip(model_rows, held)]
+        if self.confident and self.table is not None and any(n and s for n, s in zip(lengths, steered)):
+            gate = self._gate(rates, lengths, caps, model_rows, steered, fixed, left)
         return Decision(len(caps), lengths, [m and n > 0 for m, n in zip(model_rows, lengths)],
-                        self.table is not None)
+                        self.table is not None, gate, stats if gate is not None else None)
+
+    def _gate(self, rates, lengths, caps, model_rows, steered, fixed, left) -> Gate:
+        """The round's gate: the plan made again at each depth with the drafter's confidences."""
+        tail = self.tail(left)
+
+        def plan(gains: list[list[float]], held: list[int], sunk: list[int]) -> list[int]:
+            base = self.table.round_s(len(gains))
+
+            def seconds(total: int, fed: list[float]) -> float:  # (steps run are paid, kept or not)
+                return base(total, [max(f, s) for f, s in zip_longest(fed, sunk, fillvalue=0)])
+            out = self._best(gains, [len(g) for g in gains], model_rows, held, tail, seconds)
+            if self.budget is not None and sum(out) > self.budget:
+                out = select(gains, self.budget, [max(h, f) for h, f in zip(held, fixed)])
+            return out
+        return Gate(lengths, caps, rates, steered, plan, self.calibration)
 
     def _best(self, gains: list[list[float]], caps: list[int], model_rows: list[bool], fixed: list[int],
-              tail: Tail | None) -> list[int]:
+              tail: Tail | None, seconds=None) -> list[int]:
         """The best of the ranking's prefixes (`best_budget`) and 2γ shapes no prefix may hold, priced
         alike: every row min(k, cap), and the lookup rows alone at min(k, cap) (costs are not
         additive: a depth's draft step or a wider pass is paid once, so a dear model row's draft
         can rank before a free row's next one, or one row's 2nd before another's 1st)."""
-        seconds = self.table.round_s(len(caps))
+        seconds = seconds or self.table.round_s(len(caps))
         lengths, rate = best_budget(gains, seconds, len(caps), model_rows, fixed, tail)
         for k in range(1, self.gamma + 1):
             for rows in (None, [not m for m in model_rows]):
@@ -189,8 +222,11 @@ class SpecPolicy:
     def predicted(self, decision: Decision, lengths: list[int]) -> tuple[float, float]:
         """(draft, verify) seconds the table predicts for `decision` verifying `lengths`."""
         depth = max(lengths, default=0)
-        fed = [sum(1 for n, m in zip(decision.lengths, decision.model_rows) if m and n > j) for j in range(
-            max(decision.lengths, default=0))]
+        if decision.gate is not None:
+            fed = decision.gate.fed(decision.model_rows)
+        else:
+            fed = [sum(1 for n, m in zip(decision.lengths, decision.model_rows) if m and n > j) for j in range(
+                max(decision.lengths, default=0))]
         return sum(map(self.table.draft, fed)), self.table.verify(decision.rows, depth, sum(lengths))
 
     def observe(self, decision: Decision, lengths: list[int], accepted: list[int], looked: list[bool],
@@ -204,7 +240,10 @@ class SpecPolicy:
                 if rec is None:
                     rec = self.pair[lk] = AcceptanceRecord()
                 rec.add(a, n)
-        if any(lengths):
+        if decision.gate is not None:
+            pair = self.pair.setdefault(False, AcceptanceRecord())
+            decision.gate.learn(lengths, accepted, [(s.record(False), pair) for s in decision.stats])
+        if any(lengths) or decision.gate is not None:
             self._age += 1
         if self.table is not None and verify_s is not None:
             draft, verify = self.predicted(decision, lengths)

@@ -47,8 +47,9 @@ from pathlib import Path
 from ..core.request import AcceptanceRecord, RequestStats
 from .costs import CostTable
 from .drain import tail
+from .gate import drive
 from .policy import SpecPolicy
-from .tetris import best_budget, cumulative
+from .tetris import best_budget
 
 VERSION = 2  # 2: rows may carry a 6th field, the lookup asked alongside (a version 1 trace reads as one without)
 SOURCES = ("recorded", "hybrid", "lookup")  # what a trace recorded alongside can be replayed as
@@ -168,8 +169,11 @@ class RoundCosts:
         return cls(table, *(statistics.median(r) if r else 1.0 for r in ratios[:2]),
                    max(0.0, statistics.median(ratios[2])) if ratios[2] else 0.0)
 
-    def seconds(self, lengths: list[int], model: list[bool]) -> tuple[float, float]:
-        fed = [sum(1 for n, m in zip(lengths, model) if m and n > j) for j in range(max(lengths, default=0))]
+    def seconds(self, lengths: list[int], model: list[bool], fed: list[int] | None = None) -> tuple[float, float]:
+        """(draft, verify) seconds of a round verifying `lengths`, fed[j] rows stepped at depth j
+        (None: a model row stepped once per draft it verifies)."""
+        if fed is None:
+            fed = [sum(1 for n, m in zip(lengths, model) if m and n > j) for j in range(max(lengths, default=0))]
         return (self.draft_ratio * sum(map(self.table.draft, fed)),
                 self.verify_ratio * self.table.verify(len(lengths), max(lengths, default=0), sum(lengths)))
 
@@ -230,14 +234,18 @@ class PolicyChooser:
     def __init__(self, policy: SpecPolicy) -> None:
         self.policy, self._decision = policy, None
 
-    def __call__(self, ids, records, caps, offer, held, accepted, costs, left=None):
+    def __call__(self, ids, records, caps, offer, held, accepted, costs, left=None, sure=None):
+        """sure[i]: row i's recorded confidences (a walk's), which drive a confident policy's gate."""
         if isinstance(self.policy, Hindsight):  # (it reads the truth by request)
             self.policy.ids = ids
         if not any(caps) or not self.policy.worth_offering(tuple(ids), records, caps, held, left):
             self._decision = None
             return [0] * len(caps), False
-        self._decision = self.policy.plan(records, caps, offer, held, left)
-        return self._decision.lengths, True
+        decision = self._decision = self.policy.plan(records, caps, offer, held, left)
+        if decision.gate is None:
+            return decision.lengths, True
+        lengths = drive(decision.gate, [c or [] for c in sure])
+        return lengths, True, decision.gate.fed(decision.model_rows)
 
     def observe(self, lengths, accepted, looked, draft_s, verify_s) -> None:
         if self._decision is not None:
@@ -246,12 +254,12 @@ class PolicyChooser:
 
 def fixed(k: int):
     """Every row drafts min(k, its cap, what its lookup found); k = 0 is plain decoding."""
-    def choose(ids, records, caps, offer, held, accepted, costs, left=None):
+    def choose(ids, records, caps, offer, held, accepted, costs, left=None, sure=None):
         return [min(k, c, o) if o is not None else min(k, c) for c, o in zip(caps, offer)], k > 0
     return choose
 
 
-def clairvoyant(ids, records, caps, offer, held, accepted, costs, left=None):
+def clairvoyant(ids, records, caps, offer, held, accepted, costs, left=None, sure=None):
     """Knows each row's accepted count: gains 1 up to it, 0 after (a draining batch priced as the policy's)."""
     caps = [min(c, o) if o is not None else c for c, o in zip(caps, offer)]
     gains = [[1.0 if j < a else 0.0 for j in range(c)] for a, c in zip(accepted, caps)]
@@ -269,12 +277,12 @@ class Hindsight(SpecPolicy):
         super().__init__(gamma, copy.deepcopy(table), sources=sources)
         self.truth, self.ids = truth, []
 
-    def gains(self, stats, looked, caps):
+    def rates(self, stats, looked, caps):
         out = []
         for i, lk, c in zip(self.ids, looked, caps):
             rec = self.truth.get((i, lk))
-            out.append(cumulative([rec.accepted[j] / rec.reached[j] if rec and j < len(rec.reached)
-                                   and rec.reached[j] else 0.0 for j in range(c)]))
+            out.append([rec.accepted[j] / rec.reached[j] if rec and j < len(rec.reached) and rec.reached[j] else 0.0
+                        for j in range(c)])
         return out
 
 

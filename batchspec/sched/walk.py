@@ -79,23 +79,30 @@ class Walk:
             return statistics.median(xs) if xs else default
         return (RoundCosts(table, med(draft, 1.0), med(verify, 1.0), max(0.0, med(host, 0.0))), med(offer, 0.0))
 
-    def ask(self, request: int, k: int, view: str) -> tuple[int, int | None, int]:
-        """(cap, offer, accepted) of `request` at position k as `view` drafts: offer None for a
-        model's rows, a lookup's proposal length otherwise; accepted of that proposal."""
+    @property
+    def confident(self) -> bool:
+        """Whether its model part's confidence in each draft was recorded (a gate can be walked)."""
+        return any(len(a) > 4 for req in self.requests.values() for a in req["at"].values())
+
+    def ask(self, request: int, k: int, view: str) -> tuple[int, int | None, int, list[float] | None]:
+        """(cap, offer, accepted, confidences) of `request` at position k as `view` drafts: offer
+        None for a model's rows, a lookup's proposal length otherwise; accepted of that proposal;
+        the model's max q at each depth up to the cap (None: a lookup's row, or not recorded)."""
         at = self.requests[request]["at"].get(k)
         if at is None:
-            return 0, None, 0
-        cap, model, proposed, got = at
+            return 0, None, 0, None
+        cap, model, proposed, got = at[:4]
         if view == "lookup" or (view == "hybrid" and proposed):
-            return cap, min(cap, proposed or 0), min(cap, got or 0)
-        return cap, None, min(cap, model or 0)
+            return cap, min(cap, proposed or 0), min(cap, got or 0), None
+        sure = at[4] if len(at) > 4 else None
+        return cap, None, min(cap, model or 0), sure and (sure + [0.0] * cap)[:cap]
 
     def truth(self, view: str) -> dict[tuple[int, bool], AcceptanceRecord]:
         """Per (request, source): its acceptance at every position at its cap (the hindsight oracle's rates)."""
         out: dict[tuple[int, bool], AcceptanceRecord] = {}
         for i, req in self.requests.items():
             for k in req["at"]:
-                cap, offer, a = self.ask(i, k, view)
+                cap, offer, a, _ = self.ask(i, k, view)
                 n = cap if offer is None else offer
                 if n:
                     out.setdefault((i, offer is not None), AcceptanceRecord()).add(a, n)
@@ -139,14 +146,17 @@ def simulate(walk: Walk, choose, view: str = "model", observe=None) -> float:
         while queue and len(active) < slots:
             active.append([queue.pop(), 0])
         ids = [i for i, _ in active]
-        caps, offer, accepted = (list(x) for x in zip(*(walk.ask(i, k, view) for i, k in active)))
+        caps, offer, accepted, sure = (list(x) for x in zip(*(walk.ask(i, k, view) for i, k in active)))
         records = [stats.setdefault(i, RequestStats()) for i in ids]
-        lengths, asked = [0] * len(ids), False
+        lengths, asked, fed = [0] * len(ids), False, None
         left = None if queue else [walk.requests[i].get("limit", walk.requests[i]["emitted"]) - k for i, k in active]
         if any(caps):
-            lengths, asked = choose(ids, records, caps, offer, [False] * len(ids), accepted, costs, left=left)
+            known = {"sure": sure} if any(c is not None for c in sure) else {}  # (a walk with confidences)
+            lengths, asked, *more = choose(ids, records, caps, offer, [False] * len(ids), accepted, costs, left=left,
+                                           **known)
+            fed = more[0] if more else None
         got = [min(a, n) for a, n in zip(accepted, lengths)]
-        draft_s, verify_s = costs.seconds(lengths, [o is None and n > 0 for o, n in zip(offer, lengths)])
+        draft_s, verify_s = costs.seconds(lengths, [o is None and n > 0 for o, n in zip(offer, lengths)], fed)
         for rec, a, n, o in zip(records, got, lengths, offer):
             rec.rounds += 1
             if n:
@@ -166,7 +176,9 @@ def compare(walk: Walk, view: str = "model", policy: SpecPolicy | None = None) -
     """Tokens per second over the walk, as `view` drafts, of the policy (default: the engine's, on
     the walk's table), plain decoding, every fixed γ, the hindsight oracle and the clairvoyant plan."""
     sources = walk.sources(view)
-    chooser = PolicyChooser(policy or SpecPolicy(walk.gamma, copy.deepcopy(walk.table), sources=sources))
+    confident = walk.confident and view != "lookup"
+    chooser = PolicyChooser(policy or SpecPolicy(walk.gamma, copy.deepcopy(walk.table), sources=sources,
+                                                  confident=confident))
     out = {"policy": simulate(walk, chooser, view, chooser.observe)}
     for k in range(walk.gamma + 1):
         out[f"fixed γ={k}" if k else "plain"] = simulate(walk, fixed(k), view)
@@ -182,14 +194,15 @@ class WalkRecorder:
 
     def __init__(self, probe, gamma: int, table: CostTable, meta: dict) -> None:
         self.probe, self.walk = probe, Walk(gamma, table, meta=meta)
-        self._asked: list[tuple] = []  # (request, k, cap, its length then, model proposal, lookup proposal)
+        self._asked: list[tuple] = []  # (request, k, cap, its length then, model proposal, lookup proposal,
+        # the model's confidences)
 
     def record(self, batch, caps, offer, accepted, offer_s, draft_s, verify_s, round_s, fused) -> None:
         asked = self.probe.take()
         if asked is None:  # (no row could draft: nothing asked)
             return
-        for (req, at, model, lookup), cap in zip(asked, caps):
-            self._asked.append((req, at - req.prompt_len, cap, at, model, lookup))
+        for (req, at, model, lookup, sure), cap in zip(asked, caps):
+            self._asked.append((req, at - req.prompt_len, cap, at, model, lookup, sure))
         self.walk.rounds.append({"rows": len(batch), "caps": list(caps) if self.probe.model is not None else [],
                                  "offer_s": offer_s, "draft_s": draft_s, "verify_s": verify_s,
                                  "round_s": round_s, "fused": fused})
@@ -197,11 +210,13 @@ class WalkRecorder:
     def finish(self) -> Walk:
         from ..drafters.hybrid import lookup_outcome
 
-        for req, k, cap, at, model, lookup in self._asked:
+        for req, k, cap, at, model, lookup, sure in self._asked:
             entry = self.walk.requests.setdefault(req.index, {"emitted": req.num_generated,
                                                               "limit": req.params.max_new_tokens, "at": {}})
             entry["at"][k] = [cap, lookup_outcome(req, at, model)[1] if model is not None else None,
                               *(lookup_outcome(req, at, lookup) if lookup is not None else (None, None))]
+            if sure is not None:
+                entry["at"][k].append(sure)
         self._asked = []
         return self.walk
 
