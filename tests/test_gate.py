@@ -181,6 +181,7 @@ def test_a_gate_reading_the_drawn_token_fails_the_same_test(tmp_path, monkeypatc
     """The counterexample: a 'confidence' read off the drawn draft (q of d_ij, not max q) keeps
     drafts the head happened to draw likely ones of, and the emitted tokens are no longer the
     target's distribution."""
+    import test_sampling
     from test_sampling import chi_square
 
     from batchspec.drafters.eagle import EagleDrafter
@@ -192,5 +193,6 @@ def test_a_gate_reading_the_drawn_token_fails_the_same_test(tmp_path, monkeypatc
         rows = [live[k] for k in at]
         return probs[rows, j].gather(-1, tokens[rows, j][:, None])[:, 0]
     monkeypatch.setattr(EagleDrafter, "_draft", peeking)
+    monkeypatch.setattr(test_sampling, "N", 2000)  # (at 6,000 draws it fails at p ~ 1e-91)
     draws, exact, _ = sampled_head(tmp_path, monkeypatch, 0.2)
     assert chi_square(draws, exact) < 1e-6

@@ -4,7 +4,8 @@ observe. Every method runs it; they differ only in how batches are formed (`batc
 Row i verifies its newest token plus its first n_i drafts (n_i <= its cap: never more drafts than
 it can still emit after its bonus token), so the target pass feeds rows different numbers of
 tokens (the lean forward computes only real tokens). The policy (`sched/policy.py`) chooses the
-n_i from the drafter's offer; all n_i = 0 is a plain autoregressive step. A row may join the round
+n_i from the drafter's offer (a confident drafter's rows: its gate stops them as they are drafted,
+`sched/gate.py`); all n_i = 0 is a plain autoregressive step. A row may join the round
 with its prompt (`SpecEngine._fusable`): it is fed the prompt tokens the target has not seen
 before its newest token, in the same pass, drafts nothing and takes its first token from the
 pass's last column. Example, rows A (decoding, 2 drafts) and B (a prompt of 5 tokens):

@@ -12,10 +12,13 @@ same pricing, drain and budget) with what it now knows:
                                    per bin of max q, drafts verified with every earlier one accepted
                                    and those accepted, shrunk toward the confidence itself by K
                                    drafts (a calibrated head's chance is its confidence)
-    gains   G_ik = c_i1 ... c_ij                  for k = j (known)
-            G_ik = G_ij r_i,j+1 ... r_ik          for k > j (the first plan's rates: `rates[i]`)
-    plan    lengths n_i >= j - 1 (the drafts kept so far are held); n_i >= j keeps d_ij; n_i > j
-            (and j < the row's cap) runs the step that gives q_i,j+1: the row goes on
+    gains   G_ik = c_i1 ... c_ik                  for k <= j (known)
+            G_ik = G_i,k-1 next(c_i,k-1)          for k > j: what steps gave so far after a chance
+                                                  in that bin (`Calibration.next`), shrunk toward
+                                                  the first plan's rate there (`rates[i]`)
+    plan    lengths n_i >= j - 1 (the drafts kept so far are held), the steps run so far priced
+            into every candidate (paid, kept or not); n_i >= j keeps d_ij; n_i > j (and j < the
+            row's cap) runs the step that gives q_i,j+1: the row goes on
 
 Rows the gate does not steer (a lookup's, and `held` rows: seeded sampled, whose lengths must not
 depend on the batch) keep the first plan's lengths and are stepped to them. The decision on d_ij
@@ -61,7 +64,8 @@ class Calibration:
 
     def next(self, chance: float, rate: float) -> float:
         """The chance the next step is expected to give after one of `chance`, shrunk toward `rate`
-        (the first plan's: recorded on drafts the gate kept, so above what a step gives on average)."""
+        (the first plan's there). On the SmolLM2 walks a step gives 0.30 on average after a chance
+        under 0.1 and 0.44 after one of 0.9 or more: confidence barely carries to the next draft."""
         k = self.bin(chance)
         return (self.next_sum[k] + PRIOR * rate) / (self.followed[k] + PRIOR)
 
