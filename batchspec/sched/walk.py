@@ -11,7 +11,9 @@ Every round each row's model part drafts its cap and its lookup part is asked, n
 verified, and each row gains one token: the run visits every position k (tokens emitted so far)
 of every request, and each proposal is judged afterwards against the row's final tokens. A
 walk holds, per request and position, [cap, model accepted, lookup proposed, lookup accepted]
-(None where a part is missing), each request's length, and per round what its stages took.
+(None where a part is missing), then, for a confident model part (an EAGLE head), its max q at
+each depth it drafted; each request's length, and per round what its stages took. Simulated, a
+confident model's rows are gated by those confidences (`gate.drive`), as the engine gates them.
 
 Simulating a chooser (`replay.py`'s: the policy, fixed γ, the oracles): requests fill the slots
 in order; each round every resident row at position k has its recorded cap there and an offer
@@ -49,7 +51,7 @@ VIEWS = ("model", "hybrid", "lookup")
 class Walk:
     gamma: int
     table: CostTable
-    # request id -> {"emitted": tokens it emitted, "at": {k: [cap, model a, lookup n, lookup a]}}
+    # request id -> {"emitted": tokens it emitted, "at": {k: [cap, model a, lookup n, lookup a(, confidences)]}}
     requests: dict[int, dict] = field(default_factory=dict)
     # per round: rows, caps (the model's depth per row), offer_s, draft_s, verify_s, round_s, fused
     rounds: list[dict] = field(default_factory=list)
