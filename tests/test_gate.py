@@ -125,7 +125,7 @@ def head_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method", ["eqspec", "exspec"])
-@pytest.mark.parametrize("batch_size", [1, 3, 8, 32])
+@pytest.mark.parametrize("batch_size", [*(pytest.param(b, marks=pytest.mark.slow) for b in (1, 3)), 8, 32])
 def test_a_gated_head_keeps_greedy_output_exact(head_dir, monkeypatch, method, batch_size):
     gated(monkeypatch, 0.2)
     p, ids = pair("llama"), prompts(12)
