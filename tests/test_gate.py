@@ -137,6 +137,24 @@ def test_a_gated_head_keeps_greedy_output_exact(head_dir, monkeypatch, method, b
     assert hist[1] and hist[2] and hist[3]  # (ragged: the gate stopped rows at every depth)
 
 
+def test_a_gate_takes_rows_past_the_first_plan(head_dir, monkeypatch):
+    """The first plan gives every row one draft; a gate that keeps every draft takes each row to its
+    cap (3), and the round verifies all of them, not the first plan's one."""
+    def plan(self, stats, caps, offer, held, left=None):
+        steered = [o is None and c > 0 and not h for o, c, h in zip(offer, caps, held)]
+        first = [min(1, c) for c in caps]
+        gate = Gate(first, list(caps), [[0.5] * c for c in caps], steered, floor_plan(0.0), Exact())
+        return Decision(len(caps), first, list(steered), True, gate, stats)
+    monkeypatch.setattr(SpecPolicy, "plan", plan)
+    monkeypatch.setattr(SpecPolicy, "worth_offering", lambda self, *a, **k: True)
+    p, ids = pair("llama"), prompts(4)
+    engine = SpecEngine(p, EngineConfig(method="eqspec", batch_size=4, gamma=3, adaptive=True,
+                                        drafter=f"eagle:{head_dir}"))
+    assert [o.token_ids for o in engine.generate(ids, SamplingParams(max_new_tokens=12))] == references(p, ids, 12)
+    hist = engine.last_run.gamma_hist
+    assert hist[3] > 0 and hist[3] >= hist[1], dict(hist)
+
+
 def test_a_gated_hybrid_keeps_greedy_output_exact(head_dir, monkeypatch):
     gated(monkeypatch, 0.2)
     p, ids = pair("llama", draft_kind="none"), prompts(12)

@@ -78,8 +78,7 @@ def run_round(batch: list[Request], target, drafter, policy, gamma: int, timer, 
             proposal = drafter.propose(batch, asked, None if u is None else u[:, :g], sampling,
                                        **({"gate": gate} if gate is not None else {}))
         draft_s = time.perf_counter() - tick
-        if proposal.lengths is not None:
-            lengths = [min(n, m) for n, m in zip(asked, proposal.lengths)]
+        lengths = list(asked) if proposal.lengths is None else [min(n, m) for n, m in zip(asked, proposal.lengths)]
         looked = proposal.looked or [False] * b
         drafts = proposal.tokens[:, :max(lengths)]
         q = proposal.probs[:, :drafts.shape[1]] if proposal.probs is not None else None
