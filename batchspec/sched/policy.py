@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from itertools import zip_longest
 
 from ..core.request import AcceptanceRecord
 from .costs import CostTable
@@ -189,13 +188,18 @@ class SpecPolicy:
 
     def _gate(self, rates, lengths, caps, model_rows, steered, fixed, left) -> Gate:
         """The round's gate: the plan made again at each depth with the drafter's confidences."""
-        tail = self.tail(left)
+        tail, base = self.tail(left), self.table.round_s(len(lengths))
 
         def plan(gains: list[list[float]], held: list[int], sunk: list[int]) -> list[int]:
-            base = self.table.round_s(len(gains))
-
-            def seconds(total: int, fed: list[float]) -> float:  # (steps run are paid, kept or not)
-                return base(total, [max(f, s) for f, s in zip_longest(fed, sunk, fillvalue=0)])
+            def seconds(total: int, fed: list[float]) -> float:
+                """The candidate's round, its draft steps at least those already run (paid, kept or
+                not); the verify pass priced by the candidate's own depth."""
+                out = base(total, fed)
+                for d, ran in enumerate(sunk):
+                    planned = fed[d] if d < len(fed) else 0
+                    if ran > planned:
+                        out += self.table.draft(ran) - self.table.draft(planned)
+                return out
             out = self._best(gains, [len(g) for g in gains], model_rows, held, tail, seconds)
             if self.budget is not None and sum(out) > self.budget:
                 out = select(gains, self.budget, [max(h, f) for h, f in zip(held, fixed)])

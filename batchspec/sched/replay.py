@@ -244,6 +244,9 @@ class PolicyChooser:
         decision = self._decision = self.policy.plan(records, caps, offer, held, left)
         if decision.gate is None:
             return decision.lengths, True
+        if sure is None:
+            raise ValueError("a confident policy is gated by the drafter's confidences: walk it on a walk that "
+                             "recorded them (batchspec trace record --walk with a head)")
         lengths = drive(decision.gate, [c or [] for c in sure])
         return lengths, True, decision.gate.fed(decision.model_rows)
 

@@ -97,7 +97,7 @@ class Walk:
         if view == "lookup" or (view == "hybrid" and proposed):
             return cap, min(cap, proposed or 0), min(cap, got or 0), None
         sure = at[4] if len(at) > 4 else None
-        return cap, None, min(cap, model or 0), sure and (sure + [0.0] * cap)[:cap]
+        return cap, None, min(cap, model or 0), None if sure is None else (sure + [0.0] * cap)[:cap]
 
     def truth(self, view: str) -> dict[tuple[int, bool], AcceptanceRecord]:
         """Per (request, source): its acceptance at every position at its cap (the hindsight oracle's rates)."""
