@@ -120,7 +120,7 @@ class SpecEngine:
         if cfg.adaptive:
             table = cost_table(self.pair.target, self.drafter, self.pair.draft if self.draft_runner else None,
                                cfg.batch_size, cfg.gamma, cfg.forward)
-            table = replace(table, scale=dict(table.scale), _by_rows={})  # (corrected per engine)
+            table = replace(table, scale=dict(table.scale), _by_rows={}, _seen={}, _passes=0)  # (corrected per engine)
         return SpecPolicy(cfg.gamma, table, cfg.budget, sources=self.drafter.sources,
                           confident=self.drafter.confident)
 

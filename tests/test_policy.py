@@ -333,6 +333,28 @@ def test_costs_interpolate_and_follow_measurements():
     assert t.verify(8, 3, 24) == pytest.approx(0.064, rel=0.01) and t.draft(8) == pytest.approx(0.002)
 
 
+def test_costs_learn_the_shape_of_drafted_passes():
+    """`CostTable.correct`'s example: plain passes measure 1.6x the table's price and drafted ones
+    1.2x -> F = 0.75, a drafted pass priced at 1.2x the table's; 100 drafted passes and no plain
+    one -> F back toward 1 (0.90); F stays within SHAPE_LIMITS."""
+    t = CostTable((1, 8), (1, 4), {(1, 1): 0.01, (1, 4): 0.011, (8, 1): 0.020, (8, 4): 0.032}, {1: 0.002, 8: 0.002})
+    plain, drafted = t.verify(8, 0, 0), t.verify(8, 3, 24)
+    for _ in range(300):
+        t.correct("verify", t.verify(8, 0, 0), 1.6 * plain)
+        t.correct("verify", t.verify(8, 3, 24), 1.2 * drafted, drafted=True)
+    assert t.scale["drafted"] == pytest.approx(0.75, rel=1e-3)
+    assert t.verify(8, 3, 24) == pytest.approx(1.2 * drafted, rel=0.01)
+    assert t.verify(8, 0, 0) == pytest.approx(1.6 * plain, rel=0.01)
+    assert t.round_s(8)(24, [8, 8, 8]) - 3 * t.draft(8) == pytest.approx(t.verify(8, 3, 24))
+    for _ in range(100):
+        t.correct("verify", t.verify(8, 3, 24), 1.2 * drafted, drafted=True)
+    assert t.scale["drafted"] == pytest.approx(0.75 ** (0.98 ** 51), rel=1e-3)  # (the last plain pass + 50: fresh)
+    for _ in range(300):
+        t.correct("verify", t.verify(8, 0, 0), 10 * plain)
+        t.correct("verify", t.verify(8, 3, 24), 1.0 * drafted, drafted=True)
+    assert t.scale["drafted"] == pytest.approx(0.5)
+
+
 def test_the_policy_corrects_each_stage_by_what_it_took():
     """`observe` corrects the table's draft and verify stages apart, from the round's plan: rounds
     whose verify passes take 1.3x the table's price and whose draft steps take what it says."""

@@ -186,6 +186,23 @@ def test_the_policy_on_recorded_walks(path, view):
 SHORT = {"smollm2_b8": 0.97}  # floors of the walks where the defaults lose to plain decoding
 
 
+@pytest.mark.parametrize("factor,floor", [(1.25, 0.98), (0.75, 1.1)])
+def test_a_policy_learns_what_drafted_passes_cost_on_the_machine(factor, floor):
+    """A machine whose passes that verify drafts cost `factor` x the table's price (the shape moved
+    since the table was measured: `costs.py`, F), on SmolLM2's 8-row walk as the hybrid drafts.
+    Priced by the table's shape the policy made 0.932x plain decoding at 1.25 (it drafted rounds
+    that lose) and 1.017x at 0.75 (it left rounds that pay); learning F, 0.994x and 1.179x."""
+    walk = Walk.load(Path(__file__).parent / "walks" / "smollm2_b8.json")
+    machine = copy.copy(walk)
+    machine.table = copy.deepcopy(walk.table)
+    machine.table.scale["drafted"] = factor  # (what the walk's rounds cost; the policy gets the table as recorded)
+    policy = SpecPolicy(walk.gamma, copy.deepcopy(walk.table), sources=(False, True), confident=True)
+    chooser = PolicyChooser(policy)
+    rate = simulate(machine, chooser, "hybrid", chooser.observe) / simulate(machine, fixed(0), "hybrid")
+    assert rate >= floor
+    assert policy.table.scale["drafted"] == pytest.approx(factor, rel=0.05)
+
+
 def test_a_draining_batch_prices_a_round_by_what_it_takes_off_the_jobs_rest():
     """`drain.py`'s example: V(k) = 20 + 5 k ms, rows left [30, 30, 2]: a plain round is worth 3
     tokens; a draft of row 0 accepted at 0.5 adds 0.5 x c (its twin still runs to the end), one of

@@ -18,11 +18,27 @@ A round in which row i verifies n_i drafts, the rows with a model-drafted row co
 
 V and D are interpolated linearly between the profiled rows (and extrapolated from the last two),
 and piecewise linearly between columns: on a CPU two tokens a row already cost most of what four
-do (matrix-vector against matrix-matrix kernels). The one online correction: each stage's
-measured seconds over its predicted ones, an exponential average (weight CORRECTION per round)
-kept per stage (draft, verify), so the table's shape stays as measured while its level follows
-the machine. A machine slowed alike in both stages changes no decision (every candidate's time
-scales together); one that slows a stage more moves only that stage's price.
+do (matrix-vector against matrix-matrix kernels). Online corrections, each from measured seconds
+over predicted ones:
+
+    level   per stage (draft, verify), an exponential average (weight CORRECTION per round): the
+            table's level follows the machine. A machine slowed alike in both stages changes no
+            decision (every candidate's time scales together); one that slows a stage more moves
+            only that stage's price.
+    shape   F, a factor on every pass that verifies a draft: what such passes measured over the
+            table's price (an average, weight SHAPE_WEIGHT), over what plain passes measured over
+            theirs, while both were seen within SHAPE_FRESH verify passes of each other; otherwise
+            F moves toward 1 by SHAPE_RELAX a pass (the table's shape again), so that a factor a
+            busy spell left high is not kept by the plain rounds it causes. A round that drafts
+            always (batch 1) never meets a plain pass and keeps the table's shape.
+            Why: on a shared machine the shape moves. SmolLM2 at 8 rows on the 2-core EPYC, two
+            profiles a minute apart: V(8, 2) / V(8, 1) read 79.5 / 59.7 ms (1.33) in a quiet
+            spell and 96.6 / 96.6 (1.00) in a busy one (another tenant's memory traffic slows the
+            weight-bound plain pass most). The profile keeps the fastest runs (`core/timing.py`),
+            so a cached table holds the quiet shape, and a busy hour's engines priced drafts
+            dearer than they were. On walks (tests/test_walk.py) whose drafted passes cost 0.75x
+            or 1.25x the table's price, the SmolLM2 8-row walk as the hybrid made 1.017x / 0.932x
+            plain decoding without F, 1.179x / 0.994x with it; at 1x F stays 1 and nothing moves.
 
 Example, b = 8: V(8, 1) = 20 ms, V(8, 5) = 36 ms, s = 0.5 ms, D(8) = 2 ms, J(8) = 5 ms. Rows
 verifying [4, 4, 0, 0, 0, 0, 0, 0] drafts by a model: draft 4 x D(2) (D interpolated to 2 rows),
@@ -31,11 +47,16 @@ verify max(V(8, 5) - 0.5 x (8 x 4 - 8), 20 + 5) = max(24, 25) = 25 ms.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 CORRECTION = 0.05  # weight of one round's measured / predicted in a stage's correction (~20 rounds' memory)
+SHAPE_FRESH = 50  # verify passes: plain and drafted passes measured this close together give the shape F
+SHAPE_RELAX = 0.02  # F's move toward 1 per verify pass while it cannot be measured (~50 passes' memory)
+SHAPE_LIMITS = (0.5, 2.0)  # F stays within these
+SHAPE_WEIGHT = 0.1  # weight of one pass in the averages behind F (~10 passes: a machine's spells are short)
 
 
 def _lerp(x: float, xs: list[float], ys: list[float]) -> float:
@@ -55,7 +76,12 @@ class CostTable:
     draft_s: dict[int, float]  # rows -> seconds of one draft step; empty: drafting costs no step
     token_s: float = 0.0  # s above
     first_s: dict[int, float] = field(default_factory=dict)  # rows -> J above; empty: no such floor
-    scale: dict[str, float] = field(default_factory=lambda: {"draft": 1.0, "verify": 1.0})
+    # level per stage (draft, verify) and the shape F of a pass that verifies drafts ("drafted")
+    scale: dict[str, float] = field(default_factory=lambda: {"draft": 1.0, "verify": 1.0, "drafted": 1.0})
+    # per kind of verify pass (True: drafted), [log of measured / the table's own price, averaged;
+    # the verify pass it was last seen at]; and the verify passes seen so far
+    _seen: dict = field(default_factory=dict, repr=False, compare=False)
+    _passes: int = field(default=0, repr=False, compare=False)
     _by_rows: dict = field(default_factory=dict, repr=False, compare=False)  # b -> V(b, c) per column
 
     def _columns(self, b: int) -> list[float]:
@@ -70,7 +96,8 @@ class CostTable:
         at = self._columns(b)
         full = _lerp(1 + deepest, list(self.cols), at)
         floor = at[0] + self.first(b) if deepest > 0 else at[0]
-        return self.scale["verify"] * max(floor, full - self.token_s * (b * deepest - total))
+        shape = self.scale["drafted"] if deepest > 0 else 1.0
+        return self.scale["verify"] * shape * max(floor, full - self.token_s * (b * deepest - total))
 
     def first(self, b: int) -> float:
         """J(b): what a pass over b rows adds once a row is fed a draft (0 for one row: V(1, n) has it)."""
@@ -95,18 +122,44 @@ class CostTable:
         at = self._columns(b)
         full = [_lerp(1 + d, list(self.cols), at) for d in range(len(self.cols) + 1)]
         scale, plain, first, save = self.scale["verify"], at[0], at[0] + self.first(b), self.token_s
+        drafted = scale * self.scale["drafted"]
 
         def seconds(total: int, fed: list[float]) -> float:
             d = len(fed)
             verify = full[d] if d < len(full) else _lerp(1 + d, list(self.cols), at)
-            return sum(steps[int(n)] for n in fed) + scale * max(first if d else plain, verify - save * (b * d - total))
+            if not d:
+                return sum(steps[int(n)] for n in fed) + scale * max(plain, verify - save * (b * d - total))
+            return sum(steps[int(n)] for n in fed) + drafted * max(first, verify - save * (b * d - total))
 
         return seconds
 
-    def correct(self, stage: str, predicted: float, measured: float) -> None:
-        """Move a stage's scale toward measured / predicted (one round's worth: CORRECTION)."""
-        if predicted > 0 and measured > 0:
-            self.scale[stage] *= (measured / predicted) ** CORRECTION
+    def correct(self, stage: str, predicted: float, measured: float, drafted: bool = False) -> None:
+        """Move a stage's level toward measured / predicted (one round's worth: CORRECTION); a verify
+        pass also teaches the shape F (`drafted`: it verified drafts; see the module docstring).
+
+        Example (tests/test_policy.py): plain passes measure 1.6x the table's price and drafted
+        ones 1.2x, in turn -> F = 0.75 (the averages at their values), and a drafted pass is
+        priced at 1.6 x 0.75 = 1.2x the table's once the level has followed; then 100 drafted
+        passes and no plain one -> F = 0.75 ** (0.98 ** 51) = 0.90 (the first 49 still within
+        SHAPE_FRESH of the last plain pass), on its way back to 1."""
+        if not (predicted > 0 and measured > 0):
+            return
+        if stage == "verify":
+            self._shape(predicted, measured, drafted)
+        self.scale[stage] *= (measured / predicted) ** CORRECTION
+
+    def _shape(self, predicted: float, measured: float, drafted: bool) -> None:
+        self._passes += 1
+        own = predicted / (self.scale["verify"] * (self.scale["drafted"] if drafted else 1.0))  # the table's price
+        ratio = math.log(measured / own)
+        seen = self._seen.get(drafted)
+        self._seen[drafted] = [ratio if seen is None else seen[0] + SHAPE_WEIGHT * (ratio - seen[0]), self._passes]
+        plain, spec = self._seen.get(False), self._seen.get(True)
+        if plain is not None and spec is not None and abs(plain[1] - spec[1]) <= SHAPE_FRESH:
+            lo, hi = SHAPE_LIMITS
+            self.scale["drafted"] = min(hi, max(lo, math.exp(spec[0] - plain[0])))
+        else:
+            self.scale["drafted"] **= 1.0 - SHAPE_RELAX
 
     def to_json(self) -> dict:
         return {"rows": list(self.rows), "cols": list(self.cols), "token_s": self.token_s,

@@ -252,5 +252,5 @@ class SpecPolicy:
         if self.table is not None and verify_s is not None:
             draft, verify = self.predicted(decision, lengths)
             self.table.correct("draft", draft, draft_s)
-            self.table.correct("verify", verify, verify_s)
+            self.table.correct("verify", verify, verify_s, drafted=any(lengths))
 
