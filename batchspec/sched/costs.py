@@ -127,9 +127,8 @@ class CostTable:
         def seconds(total: int, fed: list[float]) -> float:
             d = len(fed)
             verify = full[d] if d < len(full) else _lerp(1 + d, list(self.cols), at)
-            if not d:
-                return sum(steps[int(n)] for n in fed) + scale * max(plain, verify - save * (b * d - total))
-            return sum(steps[int(n)] for n in fed) + drafted * max(first, verify - save * (b * d - total))
+            level, floor = (drafted, first) if d else (scale, plain)
+            return sum(steps[int(n)] for n in fed) + level * max(floor, verify - save * (b * d - total))
 
         return seconds
 
