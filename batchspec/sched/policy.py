@@ -189,6 +189,7 @@ class SpecPolicy:
     def _gate(self, rates, lengths, caps, model_rows, steered, fixed, left) -> Gate:
         """The round's gate: the plan made again at each depth with the drafter's confidences."""
         tail, base = self.tail(left), self.table.round_s(len(lengths))
+        step = [self.table.draft(n) for n in range(len(lengths) + 1)]  # (read once: a plan prices every draft it ranks)
 
         def plan(gains: list[list[float]], held: list[int], sunk: list[int]) -> list[int]:
             def seconds(total: int, fed: list[float]) -> float:
@@ -198,7 +199,7 @@ class SpecPolicy:
                 for d, ran in enumerate(sunk):
                     planned = fed[d] if d < len(fed) else 0
                     if ran > planned:
-                        out += self.table.draft(ran) - self.table.draft(planned)
+                        out += step[int(ran)] - step[int(planned)]
                 return out
             out = self._best(gains, [len(g) for g in gains], model_rows, held, tail, seconds)
             if self.budget is not None and sum(out) > self.budget:
