@@ -42,6 +42,34 @@ def test_lean_matches_transformers_modules(arch, lengths, extra):
     assert torch.isfinite(lean_second).all()  # no NaN leaks from padding columns through the cache
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kernel", ["linear", "mm", "dnn"])
+def test_lean_matches_transformers_under_each_kernel(arch, kernel, monkeypatch):
+    """Whichever kernel the plan takes at every count (oneDNN's on packed copies of the weights,
+    q/k/v biases included), the lean forward computes what the modules compute."""
+    from batchspec.core import forward, kernels
+
+    if kernel == "dnn" and kernels.ONEDNN is None:
+        pytest.skip("this torch has no oneDNN linear")
+    counts = frozenset(range(1, kernels.COUNTS[-1] + 1))
+    plan = kernels.Plan(tuple(range(kernels.COUNTS[-1] + 1)), counts if kernel == "mm" else frozenset(),
+                        counts if kernel == "dnn" else frozenset())
+    monkeypatch.setattr(forward, "kernel_plan", lambda weights: plan)
+    model = model_for(arch)
+    with torch.no_grad():
+        for name, bias in model.named_parameters():
+            if name.endswith("bias"):  # (transformers starts them at zero)
+                bias.normal_(0, 0.2)
+    lean = LeanForward(model)
+    assert (lean.layers[0][2].packed is not None) == (kernel == "dnn")
+    for lengths, extra in (([5, 1, 9, 3], 4), ([40, 3], 2)):
+        hf_first, hf_second, lengths = run_rows(HFForward(model), model, lengths, extra)
+        lean_first, lean_second, _ = run_rows(lean, model, lengths, extra)
+        for i, n in enumerate(lengths):
+            torch.testing.assert_close(lean_first[i, :n], hf_first[i, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lean_second, hf_second, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
 def test_rows_match_each_row_run_alone(arch):
     """Each row of a ragged batch gets the logits it gets when it runs alone, unpadded."""

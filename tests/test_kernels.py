@@ -50,9 +50,9 @@ def test_the_faster_kernel_is_chosen_per_token_count(fresh):
     """A W @ x^T that wins only at 1 and 2 tokens is taken there and nowhere else."""
     mm = kernel(lambda n: 0 if n <= 2 else 0.001 * (2 + n / 8))
     linear = kernel(lambda n: 0.001 * (1 + n / 8))  # more tokens take longer: no count is fed more
-    plan = kernels.kernel_plan(weights((512, 512), (256, 512)), mm, linear, repeats=2)
+    plan = kernels.kernel_plan(weights((512, 512), (256, 512)), mm, linear, packed=None, repeats=2)
     assert plan.mm == {1, 2} and plan.fed[2:] == tuple(range(2, kernels.COUNTS[-1] + 1))
-    assert kernels.kernel_plan(weights((512, 512), (256, 512)), linear, mm, repeats=2) == plan
+    assert kernels.kernel_plan(weights((512, 512), (256, 512)), linear, mm, packed=None, repeats=2) == plan
     # (the second call measured nothing: the same shapes, threads and torch were decided above)
 
 
@@ -62,7 +62,7 @@ def test_a_count_both_kernels_run_slowly_is_fed_as_a_larger_one(fresh):
     between ladder counts too: F.linear's time interpolated there is below the next count's)."""
     mm = kernel(lambda n: 0 if n == 16 else 0.001 * (2 + n / 8))
     linear = kernel(lambda n: 0.001 * (1 + n / 8))
-    plan = kernels.kernel_plan(weights((512, 512)), mm, linear, repeats=2)
+    plan = kernels.kernel_plan(weights((512, 512)), mm, linear, packed=None, repeats=2)
     assert plan.fed == (0, *[16] * 16, *range(17, kernels.COUNTS[-1] + 1))
     assert plan.mm == set(range(1, 17))
 
@@ -90,7 +90,7 @@ def test_every_count_a_verify_pass_feeds_is_timed(fresh):
     under both kernels, none is inferred from its neighbours; above 32 the ladder's counts are."""
     seen = {"mm": set(), "linear": set()}
     kernels.kernel_plan(weights((64, 32)), lambda x, w: seen["mm"].add(x.shape[0]),
-                        lambda x, w: seen["linear"].add(x.shape[0]), repeats=1)
+                        lambda x, w: seen["linear"].add(x.shape[0]), packed=None, repeats=1)
     assert seen["mm"] == seen["linear"] == set(range(1, 33)) | set(kernels.LADDER)
 
 
@@ -134,7 +134,7 @@ def test_every_matrix_is_timed_not_one_per_shape(fresh):
         seen.add(id(w))
 
     matrices = weights((64, 32), (64, 32), (32, 64), (64, 32), (32, 64))
-    kernels.kernel_plan(matrices, mm, repeats=1)
+    kernels.kernel_plan(matrices, mm, packed=None, repeats=1)
     assert seen == {id(w) for w in matrices}
 
 
@@ -146,22 +146,43 @@ def test_a_choice_is_kept_on_disk_and_read_back(fresh, monkeypatch):
 
     shapes = ((256, 256), (128, 256))
     slow = kernel(lambda n: 0.001)
-    plan = kernels.kernel_plan(weights(*shapes), instant, slow, repeats=2)
+    plan = kernels.kernel_plan(weights(*shapes), instant, slow, packed=None, repeats=2)
     assert plan.mm == set(range(1, kernels.COUNTS[-1] + 1))  # (between ladder counts: padded, W @ x^T)
     measured = len(calls)
     files = list((fresh / "kernels").iterdir())
     assert measured > 0 and len(files) == 1
     monkeypatch.setattr(kernels, "_CHOSEN", {})  # a new process on the same machine
-    assert kernels.kernel_plan(weights(*shapes), instant, slow, repeats=2) == plan
+    assert kernels.kernel_plan(weights(*shapes), instant, slow, packed=None, repeats=2) == plan
     assert len(calls) == measured  # read back, not measured
     files[0].write_text("{not json")  # unreadable: measured again
     monkeypatch.setattr(kernels, "_CHOSEN", {})
-    kernels.kernel_plan(weights(*shapes), instant, slow, repeats=2)
+    kernels.kernel_plan(weights(*shapes), instant, slow, packed=None, repeats=2)
     assert len(calls) == 2 * measured
     files[0].write_text(json.dumps({"fed": [0, 1, 2], "mm": [1]}))  # another version's plan: measured again
     monkeypatch.setattr(kernels, "_CHOSEN", {})
-    kernels.kernel_plan(weights(*shapes), instant, slow, repeats=2)
+    kernels.kernel_plan(weights(*shapes), instant, slow, packed=None, repeats=2)
     assert len(calls) == 3 * measured
+
+
+def test_a_packed_kernel_is_taken_where_it_is_fastest(fresh, monkeypatch):
+    """A kernel on packed copies of the weights (oneDNN's, `kernels.ONEDNN`) fast from 3 to 32
+    tokens: taken there and, with zero rows added, at 1 and 2; W @ x^T above 32. Each timed matrix
+    is packed once, and the plan read back from disk keeps the packed kernel's counts."""
+    packs = []
+
+    def pack(w):
+        packs.append(id(w))
+        return w
+
+    dnn = kernels.Packed(pack, kernel(lambda n: 0.001 * (1 + n / 64) if 3 <= n <= 32 else 0.01))
+    matrices = weights((64, 32), (32, 64))
+    plan = kernels.kernel_plan(matrices, kernel(lambda n: 0.002), kernel(lambda n: 0.003), packed=dnn, repeats=2)
+    assert plan.dnn == set(range(1, 33)) and plan.mm == set(range(33, kernels.COUNTS[-1] + 1))
+    assert plan.fed[1:5] == (3, 3, 3, 4)
+    assert sorted(packs) == sorted(id(w) for w in matrices)
+    monkeypatch.setattr(kernels, "_CHOSEN", {})  # a new process on the same machine
+    assert kernels.kernel_plan(matrices, kernel(lambda n: 0.002), kernel(lambda n: 0.003), packed=dnn) == plan
+    assert len(packs) == 2  # read back, not measured
 
 
 def test_only_float32_on_a_cpu_is_measured(fresh):
@@ -201,7 +222,7 @@ def test_a_large_model_is_measured_within_the_budget_over_a_stride_of_its_matric
 
     matrices = weights(*[(8, 8)] * 60)
     start = Clock.now
-    plan = kernels.kernel_plan(matrices, slow, kernel(lambda n: 0.01), repeats=7)
+    plan = kernels.kernel_plan(matrices, slow, kernel(lambda n: 0.01), packed=None, repeats=7)
     assert Clock.now - start < kernels.BUDGET_S + 3
     timed = set(seen[60:])  # after the untimed pass over all of them
     strides = [k for k in range(2, 61) if timed == {id(w) for w in matrices[::k]}]
@@ -217,5 +238,5 @@ def test_one_sweep_is_always_whole_even_past_the_budget(fresh):
         calls.append(x.shape[0])
         Clock.now += 1.0
 
-    kernels.kernel_plan(weights((8, 8)), slow, slow, repeats=7)
+    kernels.kernel_plan(weights((8, 8)), slow, slow, packed=None, repeats=7)
     assert len(calls) == 2 + 2 * len(kernels.COUNTS)  # the untimed pass, then one sweep of both kernels

@@ -10,7 +10,9 @@ Two implementations behind one call signature, `forward(ids, mask, positions, kv
   together. At
   batch size 1 that machinery is most of a small model's step on a CPU. The weights are the
   model's, not copies (the fused matrices are shared with the modules, whose weights become views
-  into them); `tests/test_forward.py` checks both paths give the same logits and greedy tokens.
+  into them), except where the kernel plan runs some token count through oneDNN: that kernel
+  reads a second copy of every matrix, laid out for it (`core/kernels.py`), so the linears'
+  memory is doubled; `tests/test_forward.py` checks both paths give the same logits and greedy tokens.
   Moving the model afterwards (`model.to(dtype or device)`) gives the modules new weight tensors;
   every call checks that the modules' weights are still views into the fused matrices (one data
   pointer per fused linear) and re-fuses when they are not.
@@ -41,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .kernels import Plan, kernel_plan, w_xt
+from .kernels import ONEDNN, Plan, kernel_plan, w_xt
 
 LEAN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Attention kernels allowed on CUDA: all but cuDNN's, which (by torch.profiler: docs/gpu.md) costs
@@ -148,8 +150,9 @@ LEAN_REVISION = 3  # raised when the lean forward's costs change: step-cost prof
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           plan: Plan = MM_EVERYWHERE, contiguous: bool = True) -> torch.Tensor:
-    """x @ weight^T + bias, as `F.linear` or as W @ x^T, over x's rows or more, as `plan` says for
+           plan: Plan = MM_EVERYWHERE, contiguous: bool = True, packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T + bias, as `F.linear`, as W @ x^T or through oneDNN on `packed` (the weight laid
+    out for it, `kernels.ONEDNN`; without it, F.linear), over x's rows or more, as `plan` says for
     x's token count.
 
     Decoding feeds a linear 1 to ~32 tokens. On some CPUs in float32 `F.linear` then runs a
@@ -187,20 +190,39 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out = out.contiguous()
         if bias is not None:
             out += bias
+    elif rows in plan.dnn and packed is not None:
+        out = ONEDNN.run(flat, packed, bias)[:rows]
     else:
         out = F.linear(flat, weight, bias)[:rows]  # the first rows: contiguous
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _linear(x: torch.Tensor, layer: torch.nn.Linear, plan: Plan, contiguous: bool = True) -> torch.Tensor:
-    return matmul(x, layer.weight, layer.bias, plan, contiguous)
+class _Linear:
+    """A linear module as the lean forward runs it: its weight as the module holds it now (it
+    follows `model.to(...)`), and the copy of it laid out for oneDNN where the plan takes that
+    kernel at some count (`pack`; made again when the forward re-fuses)."""
+
+    def __init__(self, module: torch.nn.Linear) -> None:
+        self.module, self.plan, self.packed = module, MM_EVERYWHERE, None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight
+
+    def pack(self, plan: Plan) -> None:
+        self.plan = plan
+        self.packed = ONEDNN.pack(self.weight) if plan.dnn else None
+
+    def __call__(self, x: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
+        return matmul(x, self.module.weight, self.module.bias, self.plan, contiguous, self.packed)
 
 
 class _Fused:
     """Linears that read the same input (q/k/v, gate/up) as one matrix product.
 
     The modules' own weights become views into the fused weight, so memory is not doubled and the
-    transformers path keeps working on the same numbers."""
+    transformers path keeps working on the same numbers (the copy laid out for oneDNN, where the
+    plan takes it, is a second copy)."""
 
     def __init__(self, *linears: torch.nn.Linear) -> None:
         with torch.no_grad():
@@ -210,7 +232,7 @@ class _Fused:
                 self.bias = torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
                                        for lin in linears])
             self.sizes = [lin.out_features for lin in linears]
-            self.plan = MM_EVERYWHERE  # set by the lean forward (`core/kernels.py`)
+            self.plan, self.packed = MM_EVERYWHERE, None  # set by the lean forward (`pack`, `core/kernels.py`)
             offset = 0
             for lin, size in zip(linears, self.sizes):
                 lin.weight = torch.nn.Parameter(self.weight[offset:offset + size], lin.weight.requires_grad)
@@ -221,9 +243,11 @@ class _Fused:
         # them. A dict lookup, not `lin.weight`, which goes through Module.__getattr__ (slower).
         self.watch = [(lin._parameters, lin.weight.data_ptr()) for lin in linears]
 
+    pack = _Linear.pack
+
     def __call__(self, x: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
         """All outputs side by side: [..., sum of out_features]."""
-        return matmul(x, self.weight, self.bias, self.plan, contiguous)
+        return matmul(x, self.weight, self.bias, self.plan, contiguous, self.packed)
 
 
 class _RMSNorm:
@@ -266,10 +290,10 @@ class LeanForward:
             attn = layer.self_attn
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             self.layers.append((
-                _RMSNorm(layer.input_layernorm), _Fused(attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj,
+                _RMSNorm(layer.input_layernorm), _Fused(attn.q_proj, attn.k_proj, attn.v_proj), _Linear(attn.o_proj),
                 _RMSNorm(q_norm) if q_norm is not None else None, _RMSNorm(k_norm) if k_norm is not None else None,
                 _RMSNorm(layer.post_attention_layernorm), _Fused(layer.mlp.gate_proj, layer.mlp.up_proj),
-                layer.mlp.down_proj,
+                _Linear(layer.mlp.down_proj),
             ))
         first = body.layers[0].self_attn
         self.head_dim, self.scaling = first.head_dim, first.scaling
@@ -277,15 +301,19 @@ class LeanForward:
         self.rotary = body.rotary_emb
         self.cos = self.sin = None  # [P, head_dim] tables over positions 0..P-1, grown on demand
         fused = [f for layer in self.layers for f in (layer[1], layer[6])]
-        matrices = [m.weight for layer in self.layers for m in (layer[1], layer[2], layer[6], layer[7])]  # (in order)
-        self.plan = kernel_plan(matrices + [self.head.weight])  # which kernel over how many rows, per CPU
-        for f in fused:
-            f.plan = self.plan
+        self.lm_head = _Linear(self.head)
+        linears = [m for layer in self.layers for m in (layer[1], layer[2], layer[6], layer[7])] + [self.lm_head]
+        self.plan = kernel_plan([m.weight for m in linears])  # which kernel over how many rows, per CPU (in order)
+        for m in linears:
+            m.pack(self.plan)
         watch = [entry for f in fused for entry in f.watch]
+        if self.plan.dnn:  # (the other linears' packed copies go stale with their weights too)
+            watch += [(m.module._parameters, m.weight.data_ptr()) for m in linears if isinstance(m, _Linear)]
         self._params, self._ptrs = [params for params, _ in watch], [ptr for _, ptr in watch]
 
     def stale(self) -> bool:
-        """Whether some fused linear's weight is no longer its view into the fused matrix, as after
+        """Whether some fused linear's weight is no longer its view into the fused matrix (or some
+        other linear's weight no longer the one its packed copy was made from), as after
         `model.to(another dtype or device)` (which gives every parameter new data) or a reassigned
         weight. A data pointer comparison per linear suffices: the fused matrix keeps its memory
         alive, so no other tensor, of any dtype, can start at that address. Cheap (no device sync)."""
@@ -361,18 +389,18 @@ class LeanForward:
                 kv.write_packed(index, k, v)
                 a = q.new_zeros(batch * n, q.shape[1], self.head_dim)
                 a[real] = self._attend_by_row(q, kv, index, masks)
-            x = x + _linear(a.reshape(batch, n, -1), o_proj, self.plan, contiguous=False)
+            x = x + o_proj(a.reshape(batch, n, -1), contiguous=False)
             gate, up = gate_up(ln2(x), contiguous=copy_act).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, down, self.plan, contiguous=False)
+            x = x + down(F.silu(gate) * up, contiguous=False)
         if grab is not None and len(self.layers) in grab:
             grab[len(self.layers)] = self.norm(x)
         if select is False:
             return None
         if select is not None and select.dim() == 2:  # [B, k] columns -> [B, k, hidden]
-            return _linear(self.norm(x[torch.arange(batch, device=x.device)[:, None], select]), self.head, self.plan)
+            return self.lm_head(self.norm(x[torch.arange(batch, device=x.device)[:, None], select]))
         if select is not None:
             x = x[torch.arange(batch, device=x.device), select][:, None]  # [B, 1, hidden]
-        return _select(_linear(self.norm(x), self.head, self.plan), None if select is None else 0)
+        return _select(self.lm_head(self.norm(x)), None if select is None else 0)
 
     def _fold_mask(self, visible: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """The mask of `_attend`'s folded queries, built once per forward: [B, 1, n, T] ->
@@ -520,17 +548,16 @@ class LeanForward:
             kv.write_packed(index, k, v)
             if by_row:
                 a = self._attend_by_row(q, kv, index, masks)  # [C, heads, D]
-                x = x + _linear(a.reshape(q.shape[0], -1), o_proj, self.plan, contiguous=False)
+                x = x + o_proj(a.reshape(q.shape[0], -1), contiguous=False)
             else:
                 keys, values = kv.read(index)  # [B, kv_heads, T, head_dim]
                 q_pad = x.new_zeros(batch * n, q_heads, self.head_dim)
                 q_pad[packed] = q
                 a = self._attend(q_pad.view(batch, n, q_heads, -1).transpose(1, 2), keys, values, visible,
                                  folded, fresh)  # [B, heads, n, D]
-                x = x + _linear(a.transpose(1, 2).reshape(batch * n, -1)[packed], o_proj, self.plan,
-                                contiguous=False)
+                x = x + o_proj(a.transpose(1, 2).reshape(batch * n, -1)[packed], contiguous=False)
             gate, up = gate_up(ln2(x), contiguous=copy_act).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, down, self.plan, contiguous=False)
+            x = x + down(F.silu(gate) * up, contiguous=False)
         if grab is not None and len(self.layers) in grab:
             grab[len(self.layers)] = self.norm(x)
         if select is False:
@@ -541,8 +568,8 @@ class LeanForward:
             rows = torch.arange(batch, device=x.device)
             pick = where.view(batch, n)[rows if select.dim() == 1 else rows[:, None], select].clamp(min=0)
             # [B, V] or [B, k, V] (a column no real token fills: any token's logits)
-            return _linear(self.norm(x[pick]), self.head, self.plan)
-        logits = _linear(self.norm(x), self.head, self.plan)  # [C, V]
+            return self.lm_head(self.norm(x[pick]))
+        logits = self.lm_head(self.norm(x))  # [C, V]
         out = logits.new_zeros(batch * n, logits.shape[-1])
         out[packed] = logits
         return out.view(batch, n, -1)  # padding columns: zero logits

@@ -1,10 +1,12 @@
 """How a linear over a few tokens runs on this CPU, chosen by measurement: which kernel, and over
 how many rows.
 
-`forward.matmul` computes x @ Wᵀ either as `F.linear` or as W @ xᵀ (the weight read in its stored
-order), and may add zero rows to x first: the CPU's BLAS kernels are blocked for some token counts
-and slow at the others, and which is which depends on the CPU, not on anything this project
-controls. Over the bundled target's matrices, 2 threads, float32:
+`forward.matmul` computes x @ Wᵀ as `F.linear`, as W @ xᵀ (the weight read in its stored order)
+or through oneDNN's inner product on a copy of the weight laid out for it once (`ONEDNN`, what
+torch's own compiler runs for a frozen CPU linear), and may add zero rows to x first: the CPU's
+BLAS kernels are blocked for some token counts and slow at the others, and which is which
+depends on the CPU, not on anything this project controls. Over the bundled target's matrices, 2
+threads, float32:
 
     tokens                    1      2      4      5      8     12     15     16     32
     AMD EPYC   F.linear     4.0    6.6    7.9    6.4    6.5    7.3    8.4    7.5   10.2 ms
@@ -17,9 +19,28 @@ as 16 (four zero rows added, their outputs dropped), the pass is 25 % cheaper; o
 fastest as two. On the Xeon F.linear wins everywhere (W @ xᵀ, hard-coded after the first machine,
 made plain decoding at batch 1 4x slower there: 91 tokens/s against transformers' 156).
 
-Nothing is hard-coded now: the first lean forward of a model on a CPU in float32 times both
+Over SmolLM2-135M's decoder matrices (425 MB, far past the caches), the same EPYC in a busy
+spell, medians of 9 interleaved sweeps:
+
+    tokens          1      2      3      4      5      6      8     12     16     32
+    F.linear     45.9   70.4   83.8   62.4   53.9   60.7   61.8   69.7   73.8  115.3 ms
+    W @ xᵀ       48.8   27.1   37.5   35.3   47.4   58.0   63.0   67.8   53.5   78.4
+    oneDNN       32.7   35.2   28.1   30.2   27.7   30.1   34.4   36.9   43.9   61.5
+
+Both BLAS kernels fall off at a few tokens (W @ xᵀ runs 2 tokens at the memory bus's rate, 8 at
+less than half of it); oneDNN on its packed layout stays within 1.3x of its cheapest count up to
+12 tokens. A verify pass of 4 rows by 2 tokens cost 1.74x a plain step under the plan without it
+and 1.12x with it (through the runner, 4 rows over 128 keys; a plain step 49 -> 42 ms, at 8 rows
+78 -> 50 ms). The layout does not depend on the count it is packed for (`PACK_HINT`: packed for
+8, 16 or 32, every count ran within noise of the others), so one copy serves every count; it is
+a second copy of every matrix (the linears' memory doubles), made only where the plan takes
+oneDNN at some count. Its one-token path is slower than its few-token one: the plan measured on
+that EPYC feeds 1 to 4 tokens to oneDNN as 5 (36.1 ms a plain step at one row, against 43.7 fed as
+1 and 36.9 as 2 rows of W @ xᵀ), 5 and up as they come.
+
+Nothing is hard-coded now: the first lean forward of a model on a CPU in float32 times the
 kernels over the model's own matrices at every token count from 1 to 32 and on a ladder above it
-(40, 48, ..., 256), and `kernel_plan` returns, for each count n up to 256, the cheapest of the two
+(40, 48, ..., 256), and `kernel_plan` returns, for each count n up to 256, the cheapest of the
 kernels at n or at any larger count timed (there with what adding the zero rows costs and a 5 %
 margin against noise: `Plan`, `plan_from_times`). The
 plan is kept per CPU, thread count, torch version and shapes, in memory and on disk
@@ -55,7 +76,8 @@ can lose on one read from memory. Timed one per shape (four matrices, 1.6 MB, ca
 EPYC above chose `F.linear` at 2 tokens (0.23 against 0.37 ms); over all of the bundled target's
 (57 MB) W @ xᵀ wins there (5.4 against 6.2 ms), and plain decoding at batch 2 made 105-114
 tokens/s with the first choice against 147-172 with the second. Measuring takes ~10 s for the
-bundled target and ~2 s for its draft on the EPYC, once per machine (the ladder's counts in the
+bundled target and ~3 s for its draft on the EPYC (17 s for SmolLM2, its packed copies made
+after), once per machine (the ladder's counts in the
 first LADDER_SWEEPS sweeps only: they take longest and vary least), and never more than about
 BUDGET_S whatever the model: a larger one is timed over a stride of its matrices (`_measure`).
 """
@@ -64,6 +86,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -83,12 +106,14 @@ _CHOSEN: dict[tuple, Plan] = {}
 
 class Plan(NamedTuple):
     """How `forward.matmul` runs a linear over n tokens, 1 <= n < len(fed): over fed[n] rows (n, or
-    more: zero rows added), as W @ xᵀ if n is in `mm`, else as `F.linear`.
+    more: zero rows added), as W @ xᵀ if n is in `mm`, through oneDNN's packed weight if n is in
+    `dnn`, else as `F.linear`.
 
     Example (the EPYC above): fed[12] = 16 and 12 in mm: x [12, 384] -> [16, 384], W @ xᵀ [out, 16],
     the first 12 columns kept."""
     fed: tuple[int, ...]
     mm: frozenset[int]
+    dnn: frozenset[int] = frozenset()
 
     @classmethod
     def everywhere(cls, mm: bool) -> Plan:
@@ -99,7 +124,7 @@ class Plan(NamedTuple):
 
     def key(self) -> list:
         """A JSON form, for cache keys."""
-        return [list(self.fed), sorted(self.mm)]
+        return [list(self.fed), sorted(self.mm), sorted(self.dnn)]
 
 
 def w_xt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -107,74 +132,112 @@ def w_xt(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x.t())
 
 
-def kernel_plan(weights: list[torch.Tensor], mm=w_xt, linear=F.linear, repeats: int = 7) -> Plan:
+class Packed(NamedTuple):
+    """A kernel that runs on a copy of the weight laid out for it once (`pack`), not on the weight:
+    `run(x, pack(w), bias)` is x @ wᵀ + bias."""
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    run: Callable[..., torch.Tensor]
+
+
+def _onednn() -> Packed | None:
+    """oneDNN's inner product on a weight reordered into its blocked layout, as torch's own
+    compiler runs a frozen CPU linear (`torch.ops.mkldnn`), or None where this torch lacks it."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    try:
+        if not torch.backends.mkldnn.is_available() or ops is None:
+            return None
+        pack = lambda w: ops._reorder_linear_weight(w.detach(), PACK_HINT)  # noqa: E731
+        run = lambda x, packed, bias=None: ops._linear_pointwise(x, packed, bias, "none", [], "")  # noqa: E731
+        w = torch.randn(8, 4)
+        torch.testing.assert_close(run(torch.ones(2, 4), pack(w)), F.linear(torch.ones(2, 4), w))
+        return Packed(pack, run)
+    except (AttributeError, RuntimeError, AssertionError):
+        return None
+
+
+PACK_HINT = 16  # the token count oneDNN lays a packed weight out for; it runs any count (see the docstring)
+ONEDNN = _onednn()
+
+
+def kernel_plan(weights: list[torch.Tensor], mm=w_xt, linear=F.linear, packed: Packed | None = ONEDNN,
+                repeats: int = 7) -> Plan:
     """The fastest way on this machine (`Plan`) to run each token count over `weights` (all of a
-    forward's matrices, in its order), timing `linear(x, w)` against `mm(x, w)` (W @ xᵀ); plain
-    `F.linear` off the CPU or outside float32."""
+    forward's matrices, in its order), timing `linear(x, w)` against `mm(x, w)` (W @ xᵀ) and, where
+    this torch has it, `packed` (oneDNN on packed copies); plain `F.linear` off the CPU or outside
+    float32."""
     if not weights or weights[0].device.type != "cpu" or weights[0].dtype != torch.float32:
         return Plan.everywhere(mm=False)
     shapes = sorted({tuple(w.shape) for w in weights})
-    key = (tuple(shapes), len(weights), torch.get_num_threads(), torch.__version__)
+    key = (tuple(shapes), len(weights), torch.get_num_threads(), torch.__version__, packed is not None)
     if key not in _CHOSEN:
         path = cache.keyed_path("kernels", {"shapes": shapes, "cpu": cache.cpu_name(), "dtype": "float32",
-                                            "matrices": len(weights), "counts": COUNTS, "padded": True})
-        # (choices timed one matrix per shape, at fewer counts or without padding are not reused)
+                                            "matrices": len(weights), "counts": COUNTS, "padded": True,
+                                            "packed": "onednn" if packed is not None else None})
+        # (choices timed one matrix per shape, at fewer counts, without padding or without the
+        # packed kernel are not reused)
         stored = _stored_plan(cache.read(path))
         if stored is None:
-            stored = _measure(weights, linear, mm, repeats)
-            cache.write(path, {"fed": list(stored.fed), "mm": sorted(stored.mm)})
+            stored = _measure(weights, linear, mm, packed, repeats)
+            cache.write(path, {"fed": list(stored.fed), "mm": sorted(stored.mm), "dnn": sorted(stored.dnn)})
         _CHOSEN[key] = stored
     return _CHOSEN[key]
 
 
 def _stored_plan(data) -> Plan | None:
     """The plan a cache file holds, or None when it holds none this version can use."""
-    fed, by_mm = (data.get("fed"), data.get("mm")) if isinstance(data, dict) else (None, None)
-    if not isinstance(fed, list) or not isinstance(by_mm, list) or len(fed) != COUNTS[-1] + 1:
+    fed, by_mm, by_dnn = (data.get("fed"), data.get("mm"), data.get("dnn")) if isinstance(data, dict) else (None,) * 3
+    if not isinstance(fed, list) or not isinstance(by_mm, list) or not isinstance(by_dnn, list):
         return None
-    if not all(isinstance(n, int) for n in [*fed, *by_mm]) or any(m < n for n, m in enumerate(fed)):
+    if len(fed) != COUNTS[-1] + 1 or not all(isinstance(n, int) for n in [*fed, *by_mm, *by_dnn]):
         return None
-    return Plan(tuple(fed), frozenset(by_mm))
+    if any(m < n for n, m in enumerate(fed)) or set(by_mm) & set(by_dnn):
+        return None
+    return Plan(tuple(fed), frozenset(by_mm), frozenset(by_dnn))
 
 
-def _measure(weights: list[torch.Tensor], linear, mm, repeats: int) -> Plan:
-    """Times both kernels at every count in sweeps, within BUDGET_S seconds: after the first full
+def _measure(weights: list[torch.Tensor], linear, mm, packed: Packed | None, repeats: int) -> Plan:
+    """Times the kernels at every count in sweeps, within BUDGET_S seconds: after the first full
     sweep, sweeps stop once the budget is spent. A model too large for that (one untimed pass over
     its matrices says how long a sweep takes) is timed over every k-th of its matrices, still in
-    the order a forward reads them and still far more than the caches hold.
+    the order a forward reads them and still far more than the caches hold; only those are packed.
 
     Example: SmolLM2-135M in float32 (121 matrices, 540 MB) took 12 minutes on a busy 2-core
-    EPYC timed whole. An untimed pass of, say, 0.1 s over them (both kernels, one token) estimates a
-    sweep at 0.1 s x the counts' sum of max(1, n / 16) (about 250) = 25 s, so every 5th matrix is
-    timed (about 100 MB): a first sweep of about 5 s, and a second while the budget lasts (the
-    whole measurement took 10.2 s on the quiet EPYC)."""
-    kernels = (("linear", linear), ("mm", mm))
+    EPYC timed whole. An untimed pass of, say, 0.1 s over them (two kernels, one token) estimates a
+    sweep at 0.1 s x 3/2 kernels x the counts' sum of max(1, n / 16) (about 250) = 37 s, so every
+    8th matrix is timed (about 70 MB): a first sweep of about 5 s, and a second while the budget
+    lasts."""
     with torch.no_grad():
         start = time.perf_counter()
-        for _, fn in kernels:  # untimed: the first pass over the matrices pays for what the rest do not
+        for fn in (linear, mm):  # untimed: the first pass over the matrices pays for what the rest do not
             for w in weights:
                 fn(torch.randn(1, w.shape[1]), w)
         # a pass over n tokens costs about one token's up to 16 (reading the weights), n / 16 of it above
-        sweep_s = (time.perf_counter() - start) * sum(max(1.0, n / 16) for n in COUNTS)
+        sweep_s = ((time.perf_counter() - start) * (3 if packed is not None else 2) / 2
+                   * sum(max(1.0, n / 16) for n in COUNTS))
         weights = weights[:: max(1, math.ceil(2 * sweep_s / BUDGET_S))]  # the first sweep in half the budget
-        return plan_from_times(*_sweeps(weights, kernels, repeats, start))
+        kernels = [("linear", linear, weights), ("mm", mm, weights)]
+        if packed is not None:
+            kernels.append(("dnn", packed.run, [packed.pack(w) for w in weights]))
+        return plan_from_times(*_sweeps(kernels, repeats, start))
 
 
-def _sweeps(weights: list[torch.Tensor], kernels, repeats: int, start: float) -> tuple[dict, dict]:
-    """({(count, kernel): fastest seconds over `weights`}, {count: fastest padding seconds}): every
-    count once per sweep, the kernels alternating, so that a slow spell of a shared machine falls on
-    both and on many counts; the ladder in the first LADDER_SWEEPS sweeps only; no sweep begins
-    after the first once BUDGET_S has passed since `start`."""
-    best = {(n, name): float("inf") for n in COUNTS for name, _ in kernels}
+def _sweeps(kernels: list[tuple], repeats: int, start: float) -> tuple[dict, dict]:
+    """({(count, kernel): fastest seconds over its operands}, {count: fastest padding seconds}) for
+    `kernels` [(name, fn, operands: the weights as fn takes them)]: every count once per sweep, the
+    kernels in turn (reversed every other sweep), so that a slow spell of a shared machine falls on
+    all of them and on many counts; the ladder in the first LADDER_SWEEPS sweeps only; no sweep
+    begins after the first once BUDGET_S has passed since `start`."""
+    weights = kernels[0][2]
+    best = {(n, name): float("inf") for n in COUNTS for name, _, _ in kernels}
     pad_s = dict.fromkeys(COUNTS, float("inf"))  # adding a zero row to every matrix's input of n rows
     inputs = {n: [torch.randn(n, w.shape[1]) for w in weights] for n in COUNTS}
     for sweep in range(repeats):
         if sweep and time.perf_counter() - start > BUDGET_S:
             break
         for n in COUNTS if sweep < LADDER_SWEEPS else COUNTS[:DENSE]:
-            for name, fn in kernels if sweep % 2 else kernels[::-1]:
+            for name, fn, operands in kernels if sweep % 2 else kernels[::-1]:
                 begin = time.perf_counter()
-                for w, x in zip(weights, inputs[n]):
+                for w, x in zip(operands, inputs[n]):
                     fn(x, w)
                 best[(n, name)] = min(best[(n, name)], time.perf_counter() - begin)
             begin = time.perf_counter()
@@ -185,21 +248,23 @@ def _sweeps(weights: list[torch.Tensor], kernels, repeats: int, start: float) ->
 
 
 def plan_from_times(seconds: dict[tuple[int, str], float], pad_s: dict[int, float]) -> Plan:
-    """The plan from `seconds[(count, "linear" | "mm")]` at every count in COUNTS: each count n up to
-    the last takes the cheapest (kernel, m >= n) among the counts timed; with m > n, adding the zero
-    rows costs pad_s[m] (a copy of m rows) and the kernel's time counts PAD_MARGIN more.
+    """The plan from `seconds[(count, kernel)]` at every count in COUNTS, kernel "linear", "mm" and
+    perhaps "dnn": each count n up to the last takes the cheapest (kernel, m >= n) among the counts
+    timed; with m > n, adding the zero rows costs pad_s[m] (a copy of m rows) and the kernel's time
+    counts PAD_MARGIN more.
     A count between two ladder counts (not timed) may also run as itself under `F.linear`, what it
     did before it had a plan, at the time interpolated between theirs (`F.linear`'s time grows
     smoothly with the count from one step of the ladder to the next, the count after a step timed
-    too; W @ xᵀ's jumps, so it is never guessed).
+    too; W @ xᵀ's jumps, so it is never guessed, and neither is the packed kernel's).
 
     Example: linear/mm 7.3/7.4 ms at 12, 7.5/5.5 at 16, pad_s[16] 0.1 -> 12 runs as 16 rows of W @ xᵀ
     (5.5 x 1.05 + 0.1 = 5.9 ms against 7.3). Between the ladder's 33 and 40: linear 14.7 and 16.5
     ms, mm 12.7 and 12.5 -> 36 runs as 40 rows of W @ xᵀ (13.2 against F.linear's 15.7 at 36)."""
-    fed, by_mm = [0], set()
+    names = sorted({name for _, name in seconds})
+    fed, chosen = [0], {"mm": set(), "dnn": set()}
     for n in range(1, COUNTS[-1] + 1):
         options = [(seconds[(m, name)] * (1 + PAD_MARGIN) + pad_s[m] if m > n else seconds[(m, name)], m, name)
-                   for m in COUNTS if m >= n for name in ("linear", "mm")]
+                   for m in COUNTS if m >= n for name in names]
         if n not in COUNTS:
             below, above = max(m for m in COUNTS if m < n), min(m for m in COUNTS if m > n)
             share = (n - below) / (above - below)
@@ -207,6 +272,5 @@ def plan_from_times(seconds: dict[tuple[int, str], float], pad_s: dict[int, floa
                             n, "linear"))
         _, m, name = min(options)
         fed.append(m)
-        if name == "mm":
-            by_mm.add(n)
-    return Plan(tuple(fed), frozenset(by_mm))
+        chosen.get(name, set()).add(n)
+    return Plan(tuple(fed), frozenset(chosen["mm"]), frozenset(chosen["dnn"]))
