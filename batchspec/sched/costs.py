@@ -7,7 +7,8 @@
     J(b)      seconds a pass over b rows adds as soon as one row is fed a draft: on a CPU, rows
               of unequal width attend row by row, and the first tokens past one a row start a new
               block of the matrix kernels (SmolLM2 at 32 rows: one row fed 2 tokens, 1.34x a
-              plain pass; 16 rows so, 1.41x; every row, 1.65x)
+              plain pass; 16 rows so, 1.41x; every row, 1.65x, under W @ xᵀ before the kernel plan
+              took oneDNN: core/kernels.py)
 
 A round in which row i verifies n_i drafts, the rows with a model-drafted row counted by depth
 (b_j rows drafting more than j tokens with a model step), is predicted to take
