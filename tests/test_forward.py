@@ -54,7 +54,7 @@ def test_lean_matches_transformers_under_each_kernel(arch, kernel, monkeypatch):
     counts = frozenset(range(1, kernels.COUNTS[-1] + 1))
     plan = kernels.Plan(tuple(range(kernels.COUNTS[-1] + 1)), counts if kernel == "mm" else frozenset(),
                         counts if kernel == "dnn" else frozenset())
-    monkeypatch.setattr(forward, "kernel_plan", lambda weights: plan)
+    monkeypatch.setattr(forward, "kernel_plan", lambda weights, **kw: plan)
     model = model_for(arch)
     with torch.no_grad():
         for name, bias in model.named_parameters():

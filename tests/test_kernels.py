@@ -240,3 +240,27 @@ def test_one_sweep_is_always_whole_even_past_the_budget(fresh):
 
     kernels.kernel_plan(weights((8, 8)), slow, slow, packed=None, repeats=7)
     assert len(calls) == 2 + 2 * len(kernels.COUNTS)  # the untimed pass, then one sweep of both kernels
+
+
+def test_the_packed_kernel_is_left_out_where_its_copies_would_not_fit(monkeypatch):
+    """A second copy of a model's matrices is made only where it takes at most half the memory
+    available (else a model that fits once would not fit twice), and never with
+    BATCHSPEC_ONEDNN=off; a lean forward planned without it holds no packed copy."""
+    if kernels.ONEDNN is None:
+        pytest.skip("this torch has no oneDNN linear")
+    assert kernels.available_bytes() > 0  # (Linux: MemAvailable)
+    monkeypatch.setattr(kernels, "available_bytes", lambda: 1000)
+    assert kernels.packed_kernel(500) is kernels.ONEDNN and kernels.packed_kernel(501) is None
+    monkeypatch.setattr(kernels, "available_bytes", lambda: None)  # not known: no limit
+    assert kernels.packed_kernel(10 ** 12) is kernels.ONEDNN
+    monkeypatch.setenv(kernels.ONEDNN_ENV, "off")
+    assert kernels.packed_kernel(1) is None
+    monkeypatch.delenv(kernels.ONEDNN_ENV)
+
+    from tiny import make_model
+
+    from batchspec.core.forward import LeanForward
+
+    monkeypatch.setattr(kernels, "available_bytes", lambda: 1000)
+    lean = LeanForward(make_model("llama", 64, 2, seed=0))
+    assert not lean.plan.dnn and all(m.packed is None for layer in lean.layers for m in (layer[1], layer[2]))

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .kernels import ONEDNN, Plan, kernel_plan, w_xt
+from .kernels import ONEDNN, Plan, kernel_plan, packed_kernel, w_xt
 
 LEAN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Attention kernels allowed on CUDA: all but cuDNN's, which (by torch.profiler: docs/gpu.md) costs
@@ -303,7 +303,9 @@ class LeanForward:
         fused = [f for layer in self.layers for f in (layer[1], layer[6])]
         self.lm_head = _Linear(self.head)
         linears = [m for layer in self.layers for m in (layer[1], layer[2], layer[6], layer[7])] + [self.lm_head]
-        self.plan = kernel_plan([m.weight for m in linears])  # which kernel over how many rows, per CPU (in order)
+        weights = [m.weight for m in linears]
+        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        self.plan = kernel_plan(weights, packed=packed_kernel(nbytes))  # which kernel over how many rows, per CPU
         for m in linears:
             m.pack(self.plan)
         watch = [entry for f in fused for entry in f.watch]

@@ -34,9 +34,10 @@ and 1.12x with it (through the runner, 4 rows over 128 keys; a plain step 49 -> 
 78 -> 50 ms). The layout does not depend on the count it is packed for (`PACK_HINT`: packed for
 8, 16 or 32, every count ran within noise of the others), so one copy serves every count; it is
 a second copy of every matrix (the linears' memory doubles), made only where the plan takes
-oneDNN at some count. Its one-token path is slower than its few-token one: the plan measured on
-that EPYC feeds 1 to 4 tokens to oneDNN as 5 (36.1 ms a plain step at one row, against 43.7 fed as
-1 and 36.9 as 2 rows of W @ xᵀ), 5 and up as they come.
+oneDNN at some count, and planned for only where that copy fits in half the memory available
+(`packed_kernel`; $BATCHSPEC_ONEDNN=off turns it off). Its one-token path is slower than its
+few-token one: one plan measured on that EPYC fed 1 to 4 tokens to oneDNN as 5 (36.1 ms a plain
+step at one row, against 43.7 fed as 1 and 36.9 as 2 rows of W @ xᵀ), 5 and up as they come.
 
 Nothing is hard-coded now: the first lean forward of a model on a CPU in float32 times the
 kernels over the model's own matrices at every token count from 1 to 32 and on a ladder above it
@@ -85,6 +86,7 @@ BUDGET_S whatever the model: a larger one is timed over a stride of its matrices
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -157,6 +159,31 @@ def _onednn() -> Packed | None:
 
 PACK_HINT = 16  # the token count oneDNN lays a packed weight out for; it runs any count (see the docstring)
 ONEDNN = _onednn()
+ONEDNN_ENV = "BATCHSPEC_ONEDNN"  # "off": never the packed kernel (no second copy of the weights)
+PACK_SHARE = 0.5  # the packed copies may take at most this share of the memory available when a model is planned
+
+
+def packed_kernel(nbytes: int) -> Packed | None:
+    """The packed kernel for a forward whose matrices hold `nbytes`, or None: where this torch
+    lacks it, where $BATCHSPEC_ONEDNN is "off", or where a second copy of those bytes would take
+    more than PACK_SHARE of the memory available now (a 7B model in float32, 28 GB, on a 32 GB
+    machine is planned without it rather than run out of memory)."""
+    if ONEDNN is None or os.environ.get(ONEDNN_ENV, "").lower() in ("off", "0", "false", "no"):
+        return None
+    available = available_bytes()
+    return ONEDNN if available is None or nbytes <= PACK_SHARE * available else None
+
+
+def available_bytes() -> int | None:
+    """Memory available for new allocations (Linux's MemAvailable), or None where it is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def kernel_plan(weights: list[torch.Tensor], mm=w_xt, linear=F.linear, packed: Packed | None = ONEDNN,
