@@ -148,8 +148,12 @@ def _onednn() -> Packed | None:
     try:
         if not torch.backends.mkldnn.is_available() or ops is None:
             return None
-        pack = lambda w: ops._reorder_linear_weight(w.detach(), PACK_HINT)  # noqa: E731
-        run = lambda x, packed, bias=None: ops._linear_pointwise(x, packed, bias, "none", [], "")  # noqa: E731
+        def pack(w: torch.Tensor) -> torch.Tensor:
+            return ops._reorder_linear_weight(w.detach(), PACK_HINT)
+
+        def run(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+            return ops._linear_pointwise(x, packed, bias, "none", [], "")
+
         w = torch.randn(8, 4)
         torch.testing.assert_close(run(torch.ones(2, 4), pack(w)), F.linear(torch.ones(2, 4), w))
         return Packed(pack, run)
@@ -254,7 +258,7 @@ def _sweeps(kernels: list[tuple], repeats: int, start: float) -> tuple[dict, dic
     kernels in turn (reversed every other sweep), so that a slow spell of a shared machine falls on
     all of them and on many counts; the ladder in the first LADDER_SWEEPS sweeps only; no sweep
     begins after the first once BUDGET_S has passed since `start`."""
-    weights = kernels[0][2]
+    weights = kernels[0][2]  # (plain weights: the inputs' widths)
     best = {(n, name): float("inf") for n in COUNTS for name, _, _ in kernels}
     pad_s = dict.fromkeys(COUNTS, float("inf"))  # adding a zero row to every matrix's input of n rows
     inputs = {n: [torch.randn(n, w.shape[1]) for w in weights] for n in COUNTS}
