@@ -46,6 +46,10 @@ class EngineConfig:
                   drafts. Greedy output is unchanged; sampled output stays distributed as the
                   target's. A seeded sampled request is left out of the plan (it drafts and
                   verifies as with fixed gamma), so its sample does not depend on its batch.
+    siblings      greedy rows: up to this many of a scoring drafter's runner-ups at each depth (an
+                  EAGLE head's next-best tokens) verified beside its chain, in the same pass, chosen
+                  by the cost table (with --no-adaptive: all of them); one taken where the chain's
+                  draft was rejected commits a token more (sched/siblings.py). 0: chains only.
     budget        TETRIS: verify at most this many draft tokens per round across the batch, chosen by
                   estimated cumulative acceptance (only prefixes of rows' drafts); with adaptive the
                   policy otherwise chooses the budget itself each round (sched/policy.py).
@@ -97,6 +101,9 @@ class EngineConfig:
     adaptive: bool = field(default=True, metadata={
         "help": "Choose each row's draft length (0..gamma) every round from measured costs and acceptance; "
                 "--no-adaptive: every row drafts gamma"})
+    siblings: int = field(default=3, metadata={
+        "help": "Greedy rows: a drafter's runner-ups (at most N at each depth) verified beside its chain where "
+                "the cost table says they pay; 0: chains only", "metavar": "N"})
     budget: int | None = field(default=None, metadata={
         "help": "TETRIS: verify at most N drafts per round across the batch, the likeliest to be accepted "
                 "(default: none, or --adaptive's choice)", "panel": "Expert",
@@ -128,6 +135,8 @@ class EngineConfig:
             raise ValueError(f"unknown refill {self.refill!r}; choose one of {', '.join(REFILLS)}")
         if self.max_kv_tokens is not None and (not isinstance(self.max_kv_tokens, int) or self.max_kv_tokens < 1):
             raise ValueError(f"max_kv_tokens must be a positive integer (tokens per model), got {self.max_kv_tokens!r}")
+        if not isinstance(self.siblings, int) or self.siblings < 0:
+            raise ValueError(f"siblings must be an integer >= 0 (runner-ups per depth), got {self.siblings!r}")
         if self.budget is not None and (not isinstance(self.budget, int) or self.budget < 1):
             raise ValueError(f"budget must be a positive integer (drafts verified per round), got {self.budget!r}")
         if self.draft_window is not None and (not isinstance(self.draft_window, int) or self.draft_window < 1):

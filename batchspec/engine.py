@@ -122,7 +122,7 @@ class SpecEngine:
                                cfg.batch_size, cfg.gamma, cfg.forward)
             table = replace(table, scale=dict(table.scale), _by_rows={}, _seen={}, _passes=0)  # (corrected per engine)
         return SpecPolicy(cfg.gamma, table, cfg.budget, sources=self.drafter.sources,
-                          confident=self.drafter.confident)
+                          confident=self.drafter.confident, sibling_width=cfg.siblings)
 
     def _row_capacity(self, target, draft) -> int:
         """Columns per row: `max_kv_tokens` / rows, or the model context (+ one round), capped so

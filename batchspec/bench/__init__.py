@@ -16,12 +16,13 @@ def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, g
               peers: bool = False, repeat: int = 1, windows=("4x",), forwards=("auto",), refills=("continuous",),
               adaptives=(True,), budgets=("none",), sort_by_length=False, profile=False, progress=None,
               engine_options: dict | None = None, twin: bool = False, pairing: str = "steps",
-              draft_windows=(EngineConfig.draft_window,)) -> dict:
+              draft_windows=(EngineConfig.draft_window,), siblings=(EngineConfig.siblings,)) -> dict:
     """Run the grid and return the JSON-ready report: {machine, config, notes, results}. twin: a
     second autoregressive engine per batch size, the run's noise floor (`plan`, `noise_floor`).
     pairing: how the cells of a repeat share the machine (`Bench.measure`)."""
     cells, notes = plan(list(methods), list(batch_sizes), list(gammas), list(drafters), peers, list(windows),
-                        list(forwards), list(refills), list(adaptives), list(budgets), twin, list(draft_windows))
+                        list(forwards), list(refills), list(adaptives), list(budgets), twin, list(draft_windows),
+                        list(siblings))
     if pair.draft is None and any(c.method == "hf_assisted" for c in cells):
         cells = [c for c in cells if c.method != "hf_assisted"]
         notes.append("hf_assisted was not run: assisted generation needs a draft model, and none was loaded")
@@ -60,6 +61,7 @@ def run_bench(pair, prompts: list[list[int]], params, *, methods, batch_sizes, g
         "pairing": pairing,
         "windows": list(windows), "forwards": list(forwards), "refills": list(refills), "adaptives": list(adaptives),
         "budgets": list(budgets), "twin": twin, "draft_windows": list(draft_windows),
+        "siblings": list(siblings),
         **(engine_options or {}),
         "auto_forward": {name: "lean" if lean_unsupported(m) is None else f"hf ({lean_unsupported(m)})"
                          for name, m in (("target", pair.target), ("draft", pair.draft)) if m is not None},

@@ -55,6 +55,7 @@ class Cell:
     adaptive: bool = False  # eqspec / exspec only: EngineConfig.adaptive
     budget: int | None = None  # eqspec / exspec only: EngineConfig.budget (TETRIS)
     draft_window: int | None = EngineConfig.draft_window  # eqspec / exspec only: EngineConfig.draft_window
+    siblings: int = EngineConfig.siblings  # eqspec / exspec only: EngineConfig.siblings
     twin: bool = False  # autoregressive only: a second, identical engine (the run's noise floor, see `plan`)
 
     @property
@@ -68,6 +69,7 @@ class Cell:
         tags = [t for t in (None if self.forward in (None, "auto") else self.forward,
                             "fixed" if self.refill == "none" else None, "adaptive" if self.adaptive else None,
                             f"budget={self.budget}" if self.budget else None, window,
+                            None if self.siblings == EngineConfig.siblings else f"siblings={self.siblings}",
                             "twin" if self.twin else None) if t]
         return f"{self.method}[{','.join(tags)}]" if tags else self.method
 
@@ -105,10 +107,12 @@ def plan(methods: list[str], batch_sizes: list[int], gammas: list[int], drafters
          peers: bool, windows: list[str] = ("4x",), forwards: list[str] = ("auto",),
          refills: list[str] = ("continuous",), adaptives: list[bool] = (True,),
          budgets: list[str] = ("none",), twin: bool = False,
-         draft_windows: list[int | None] = (EngineConfig.draft_window,)) -> tuple[list[Cell], list[str]]:
+         draft_windows: list[int | None] = (EngineConfig.draft_window,),
+         siblings: list[int] = (EngineConfig.siblings,)) -> tuple[list[Cell], list[str]]:
     """The grid, ordered so our methods and the peers alternate; plus notes on what was left out.
     budgets: "none" (no TETRIS budget), "24" (24 verified drafts per round) or "2x" (2 x batch size).
-    draft_windows: the draft model's windows (None: the whole context) of the speculative cells.
+    draft_windows: the draft model's windows (None: the whole context) of the speculative cells;
+    siblings: their runner-ups per depth (EngineConfig.siblings).
     twin: after each batch size's cells, a second autoregressive engine, identical to the first: its
     speed-up over it is what the machine alone makes of doing the same work twice (the noise floor
     the other cells' speed-ups are read against), measured as far from the baseline as they are."""
@@ -117,18 +121,21 @@ def plan(methods: list[str], batch_sizes: list[int], gammas: list[int], drafters
                          "to --methods")
     cells, notes = [], []
     for bs in batch_sizes:
-        policies = [(a, budget_size(b, bs), w) for a in adaptives for b in budgets for w in draft_windows]
+        policies = [(a, budget_size(b, bs), w, s) for a in adaptives for b in budgets for w in draft_windows
+                    for s in siblings]
         if "autoregressive" in methods:
             cells.extend(Cell("autoregressive", bs, forward=f, refill=r) for f in forwards for r in refills)
         if peers:
             cells.append(Cell("hf_generate", bs))
         if "eqspec" in methods:
-            cells.extend(Cell("eqspec", bs, g, d, forward=f, refill=r, adaptive=a, budget=c, draft_window=dw)
-                         for g in gammas for d in drafters for f in forwards for r in refills for a, c, dw in policies)
+            cells.extend(Cell("eqspec", bs, g, d, forward=f, refill=r, adaptive=a, budget=c, draft_window=dw,
+                              siblings=s)
+                         for g in gammas for d in drafters for f in forwards for r in refills
+                         for a, c, dw, s in policies)
         if "exspec" in methods:
-            cells.extend(Cell("exspec", bs, g, d, w, f, r, a, c, dw) for g in gammas for d in drafters
+            cells.extend(Cell("exspec", bs, g, d, w, f, r, a, c, dw, s) for g in gammas for d in drafters
                          for w in window_sizes(list(windows), bs) for f in forwards for r in refills
-                         for a, c, dw in policies)
+                         for a, c, dw, s in policies)
         if peers and bs == 1:
             cells.extend(Cell("hf_assisted", 1, g) for g in gammas)
         if twin:
@@ -168,7 +175,7 @@ class Bench:
                                   drafter=cell.drafter or "draft_model", sort_by_length=self.sort_by_length,
                                   window=cell.window, profile=self.profile, forward=cell.forward or "auto",
                                   refill=cell.refill or "continuous", adaptive=cell.adaptive, budget=cell.budget,
-                                  draft_window=cell.draft_window, **self.engine_options)
+                                  draft_window=cell.draft_window, siblings=cell.siblings, **self.engine_options)
             self.engines[cell] = SpecEngine(self.pair, config)
         return self.engines[cell]
 
@@ -316,6 +323,7 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
             "method": cell.name, "batch_size": cell.batch_size, "gamma": cell.gamma, "window": cell.window,
             "forward": cell.forward, "refill": cell.refill, "twin": cell.twin,
             "draft_window": cell.draft_window if cell.method in ("eqspec", "exspec") else None,
+            "siblings": cell.siblings if cell.method in ("eqspec", "exspec") else None,
             "drafter": cell.drafter if cell.method in ("eqspec", "exspec") else None,
             "synthetic": bool(cell.drafter and drafter_spec(cell.drafter).synthetic),
             "tokens": middle.tokens, "seconds": middle.seconds,

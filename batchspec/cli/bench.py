@@ -59,6 +59,8 @@ GRID = [
     grid_option(EngineConfig, "refill", help="Comma-separated: continuous, none (the paper's fixed batches)"),
     grid_option(EngineConfig, "budget", help="Comma-separated TETRIS budgets for eqspec/exspec: none, 24 (drafts "
                                              "verified per round) or 2x (2 x batch size)"),
+    grid_option(EngineConfig, "siblings", help="Comma-separated runner-ups per depth a greedy row may verify "
+                                               "(see generate --siblings): 3, 0 = chains only, or 0,3"),
     grid_option(EngineConfig, "draft_window", help="Comma-separated draft-model windows (see generate "
                                                    "--draft-window): 128, 0 = the whole context, or 128,0"),
 ]
@@ -119,9 +121,10 @@ def bench(
             parse_drafter(d)
         plan(g["methods"], g["batch_sizes"], g["gammas"], g["drafters"], False, twin=twin)  # before models load
         options = dict(max_kv_tokens=grid["max_kv_tokens"], max_prefill_tokens=grid["max_prefill_tokens"])
-        for m, bs, gm, f, r, w in itertools.product(g["methods"], g["batch_sizes"], g["gammas"], g["forwards"],
-                                                    g["refills"], g["draft_windows"]):
-            EngineConfig(method=m, batch_size=bs, gamma=gm, forward=f, refill=r, draft_window=w, **options)
+        for m, bs, gm, f, r, w, s in itertools.product(g["methods"], g["batch_sizes"], g["gammas"], g["forwards"],
+                                                       g["refills"], g["draft_windows"], g["siblings"]):
+            EngineConfig(method=m, batch_size=bs, gamma=gm, forward=f, refill=r, draft_window=w, siblings=s,
+                         **options)
         check_output_folder(json_path)
         texts = apply_workload(workload, read_prompts(None, prompts, num_prompts))
         params = [replace(p, max_new_tokens=n) for p, n in
@@ -149,7 +152,7 @@ def bench(
                                gammas=g["gammas"], drafters=g["drafters"], peers=peers == "hf", repeat=repeat,
                                windows=g["windows"], forwards=g["forwards"], refills=g["refills"],
                                adaptives=g["adaptives"], budgets=g["budgets"], twin=twin, pairing=pairing,
-                               draft_windows=g["draft_windows"], engine_options=options,
+                               draft_windows=g["draft_windows"], siblings=g["siblings"], engine_options=options,
                                sort_by_length=grid["sort_by_length"], profile=grid["profile"], progress=step)
     except ValueError as exc:
         fail(str(exc))
@@ -180,7 +183,8 @@ def parse_grid(grid: dict) -> dict:
             "forwards": parse_list(grid["forward"], str, "--forward"),
             "refills": parse_list(grid["refill"], str, "--refill"),
             "adaptives": [a == "on" for a in adaptives], "budgets": budgets,
-            "draft_windows": [w or None for w in parse_list(grid["draft_window"], int, "--draft-window")]}
+            "draft_windows": [w or None for w in parse_list(grid["draft_window"], int, "--draft-window")],
+            "siblings": parse_list(grid["siblings"], int, "--siblings")}
 
 
 def print_report(report: dict, json_path: Path | None, plots: Path | None) -> None:

@@ -373,7 +373,7 @@ class LeanForward:
         x = F.embedding(ids, self.embed)  # [B, n, hidden]
         cos, sin = self._rope(positions, kv.width + n, x.dtype)  # positions < T + n (padding columns included)
         folded = self._fold_mask(visible, n)
-        fresh = _fresh(kv)
+        fresh, tree = _fresh(kv), bool(getattr(kv, "trees", None))
         # a verify pass over rows of unequal width: row by row (a prompt chunk here stays padded, `fresh`)
         real = kv.real if n <= ROW_ATTENTION_TOKENS and attends_by_row(n, kv, ids.device) else None  # [C] into [B, n]
         masks = self._row_masks(kv, visible) if real is not None else None
@@ -385,7 +385,7 @@ class LeanForward:
             if real is None:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, n, head_dim]
                 keys, values = kv.write(index, k, v)  # [B, kv_heads, T, head_dim]
-                a = self._attend(q, keys, values, visible, folded, fresh).transpose(1, 2)  # [B, n, heads, D]
+                a = self._attend(q, keys, values, visible, folded, fresh, tree).transpose(1, 2)  # [B, n, heads, D]
             else:  # the real tokens only, in packed order: written, then attended row by row (no read)
                 q, k, v = (t.reshape(batch * n, -1, self.head_dim)[real] for t in (q, k, v))  # [C, heads, D]
                 kv.write_packed(index, k, v)
@@ -415,7 +415,7 @@ class LeanForward:
         return visible.expand(b, group, n, width).reshape(b, 1, group * n, width)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible, folded,
-                fresh: bool = False) -> torch.Tensor:
+                fresh: bool = False, tree: bool = False) -> torch.Tensor:
         """Attention of q [B, Hq, n, D] over keys, values [B, Hk, T, D] -> [B, Hq, n, D].
 
         With grouped KV heads (Hq = g * Hk) the g query heads of each KV head are folded into its
@@ -433,7 +433,7 @@ class LeanForward:
         b, hq, n, d = q.shape
         hk = keys.shape[1]
         if hq == hk or n > FOLD_TOKENS:
-            causal = (b == 1 or fresh) and keys.shape[2] == n and visible is not None
+            causal = (fresh or (b == 1 and not tree)) and keys.shape[2] == n and visible is not None
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=None if causal else visible,
                                                   is_causal=causal, scale=self.scaling, enable_gqa=hq != hk)
         out = F.scaled_dot_product_attention(q.reshape(b, hk, hq // hk * n, d), keys, values, attn_mask=folded,
@@ -451,11 +451,12 @@ class LeanForward:
         (their batch rows [s], their places among the packed tokens [s], the batch's column-0 mask
         [B, 1, 1, T] and as `_fold_mask` folds it, the set of those rows), or None."""
         _, starts, counts = kv.row_spans
+        trees = getattr(kv, "trees", frozenset())  # (rows fed a tree from column 0: not causal)
         g = self.heads[0] // self.heads[1]
         out, singles, at = [], [], 0
         for i, (start, count) in enumerate(zip(starts, counts)):
             width = start + count
-            mask = None if start == 0 or count == 0 else visible[i:i + 1, :, :count, :width]
+            mask = None if (start == 0 and i not in trees) or count == 0 else visible[i:i + 1, :, :count, :width]
             if mask is not None and g > 1 and count <= FOLD_TOKENS:
                 mask = mask.expand(1, g, count, width).reshape(1, 1, g * count, width)
             out.append(mask)
@@ -540,7 +541,7 @@ class LeanForward:
         cos, sin = cos[0], sin[0]  # [C, 1, head_dim]
         q_heads = self.heads[0]
         folded = self._fold_mask(visible, n)
-        by_row, fresh = attends_by_row(n, kv, ids.device), _fresh(kv)
+        by_row, fresh, tree = attends_by_row(n, kv, ids.device), _fresh(kv), bool(getattr(kv, "trees", None))
         masks = self._row_masks(kv, visible) if by_row else None
         copy_act = packed.numel() < VIEW_ROWS  # (see `matmul`)
         for index, (ln1, qkv, o_proj, q_norm, k_norm, ln2, gate_up, down) in enumerate(self.layers):
@@ -556,7 +557,7 @@ class LeanForward:
                 q_pad = x.new_zeros(batch * n, q_heads, self.head_dim)
                 q_pad[packed] = q
                 a = self._attend(q_pad.view(batch, n, q_heads, -1).transpose(1, 2), keys, values, visible,
-                                 folded, fresh)  # [B, heads, n, D]
+                                 folded, fresh, tree)  # [B, heads, n, D]
                 x = x + o_proj(a.transpose(1, 2).reshape(batch * n, -1)[packed], contiguous=False)
             gate, up = gate_up(ln2(x), contiguous=copy_act).chunk(2, dim=-1)
             x = x + down(F.silu(gate) * up, contiguous=False)
@@ -578,9 +579,10 @@ class LeanForward:
 
 
 def _fresh(kv) -> bool:
-    """Whether every row of the pass is fed from column 0 (prompts: see `LeanForward._attend`)."""
+    """Whether every row of the pass is fed from column 0 as a chain (prompts: see
+    `LeanForward._attend`; a tree's mask is not the causal one: `ModelRunner.feed(..., parents=)`)."""
     spans = getattr(kv, "row_spans", None)
-    return spans is not None and not any(spans[1])
+    return spans is not None and not any(spans[1]) and not getattr(kv, "trees", None)
 
 
 def attends_by_row(n: int, kv, device: torch.device) -> bool:

@@ -139,6 +139,7 @@ class RowBatch(Cache):
         self.packed = self.real if sum(counts) <= PACK_SHARE * len(counts) * self.n else None
         self.start0, self.hi = starts[0], slots[0] + len(slots)
         self.row_spans = (slots, starts, counts)  # for `read_row`
+        self.trees: frozenset[int] = frozenset()  # rows fed a tree (`ModelRunner.feed(..., parents=)`): not causal
         super().__init__(layers=[_Layer(self, i) for i in range(kv.data.shape[0])])
 
     @functools.cached_property

@@ -74,6 +74,33 @@ def row_inputs(starts: list[int], n: int, width: int, device) -> tuple[torch.Ten
     return positions, visible[:, None]
 
 
+def tree_inputs(positions: torch.Tensor, visible: torch.Tensor, starts: list[int],
+                parents: list[list[int] | None], rows: list[int]) -> None:
+    """Rewrite `row_inputs`' positions [b, n] and mask [b, 1, n, T] in place for the rows given a
+    tree: column j of batch row rows[i] (its first fed column at starts[i]) has position starts[i]
+    + depth(j) and sees the committed columns (< starts[i]) and the columns of j and its ancestors.
+
+    Example, start 4, parents [-1, 0, 1, 0] (newest, d_1, d_2, a sibling of d_1):
+        positions [4, 5, 6, 5];  column 3 sees c < 4 and c in {4, 7}: [1, 1, 1, 1, 1, 0, 0, 1]
+    """
+    for start, tree, r in zip(starts, parents, rows):
+        if tree is None:
+            continue
+        depth, sees = [], []
+        for j, p in enumerate(tree):
+            if not -1 <= p < j:
+                raise ValueError(f"parents must name an earlier column (or -1), got {p} for column {j}")
+            depth.append(0 if p < 0 else depth[p] + 1)
+            sees.append((sees[p] if p >= 0 else []) + [start + j])
+        k = len(tree)
+        positions[r, :k] = start + torch.tensor(depth, device=positions.device)
+        mask = torch.zeros(k, visible.shape[-1], dtype=torch.bool, device=visible.device)
+        mask[:, :start] = True
+        for j, cols in enumerate(sees):
+            mask[j, cols] = True
+        visible[r, 0, :k] = mask
+
+
 def padded_ids(rows: list[list[int]], device) -> torch.Tensor:
     """[b, longest row] ids, each row right-padded with 0 (feed's counts say what is real)."""
     n = max(map(len, rows))
@@ -109,7 +136,7 @@ class ModelRunner:
 
     # ----------------------------------------------------------------------------- rounds
     def feed(self, reqs: list[Request], ids: torch.Tensor, counts: list[int], logits: str | list[int] = "all",
-             hidden: tuple[int, ...] | None = None):
+             hidden: tuple[int, ...] | None = None, parents: list[list[int] | None] | None = None):
         """Feed row i the tokens ids[i, :counts[i]] ([b, n], the rest padding) after what it holds.
 
         `reqs` are ordered by slot. Returns logits over the real vocabulary: "all" -> [b, n, V],
@@ -125,6 +152,10 @@ class ModelRunner:
         features [b, n, len(hidden) * H]): row i's states at its fed columns 0..counts[i]-1 (the
         ids' own layout; the rest padding), the indices' states side by side in the order given.
         Computed only when asked: a plain feed runs exactly as before.
+
+        `parents` (a tree: siblings, `decode/siblings.py`): per row None (its columns a chain) or
+        the parent of each fed column (-1: the row's committed tokens); a column's position is its
+        depth and it sees the committed columns and its ancestors' (`tree_inputs`).
         """
         if self._probe.dtype != self.dtype or self._probe.device != self.device:
             raise RuntimeError(f"the {self.name} model was moved to {self._probe.device}/{self._probe.dtype} after "
@@ -153,6 +184,10 @@ class ModelRunner:
             batch = RowBatch(self.kv, row_slots, full_starts, full_counts)
             self.kv.make_clean(slots, batch.width)
             positions, visible = row_inputs(full_starts, n, batch.width, self.device)
+            if parents is not None and any(p is not None for p in parents):
+                where = [s - slots[0] for s in slots] if index is not None else list(range(len(reqs)))
+                tree_inputs(positions, visible, [full_starts[w] for w in where], parents, where)
+                batch.trees = frozenset(w for w, p in zip(where, parents) if p is not None)
             if n == 1 and index is None and len(set(starts)) == 1 and SLIDING not in self.attention.kinds:
                 visible = None  # one token per row, all rows the same length: every key is visible
             else:
@@ -209,6 +244,16 @@ class ModelRunner:
             r.kv_len[name] = r.kv_len.get(name, 0) + k
             if self.debug and r.kv_len[name] > self.kv.clean[r.slot]:
                 raise AssertionError(f"{name}: request {r.index} committed past the written columns")
+
+    def move_columns(self, reqs: list[Request], moves: list[tuple[int, int]]) -> None:
+        """Before `commit`: copy column src of what was fed to row i since its last commit to
+        column dst (a sibling taken in a rejected draft's place, `decode/siblings.py`)."""
+        with self._stage("align"):
+            for r, (src, dst) in zip(reqs, moves):
+                fed, start = self.fed.get(r.index, 0), r.kv_len.get(self.name, 0)
+                if not 0 <= dst < src < fed:
+                    raise ValueError(f"{self.name}: cannot move fed column {src} to {dst} for request {r.index}")
+                self.kv.data[:, :, r.slot, :, start + dst] = self.kv.data[:, :, r.slot, :, start + src]
 
     def move(self, pairs: list[tuple[int, int]], lengths: list[int]) -> None:
         """Copy rows between slots (see `sched.slots.arrange`); lengths are the rows' KV lengths."""

@@ -85,6 +85,8 @@ class RunStats:
     accepted: int = 0
     emitted: int = 0  # tokens appended to outputs
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per row-round -> count
+    siblings: int = 0  # runner-ups verified beside chains (sched/siblings.py)
+    sibling_hits: int = 0  # ... and taken in a rejected draft's place (their tokens count in emitted, not accepted)
     idle_rows: int = 0  # rows inside a verify pass's slot range that were not in its batch
     padding_tokens: int = 0  # query columns a verify pass computed for nothing (rows drafting fewer)
     prefill_forwards: int = 0  # prefill chunks run (one forward of each model)
@@ -106,7 +108,7 @@ class RunStats:
         """Add `other` (one step's numbers) into these; peaks take the maximum."""
         for name in ("rounds", "row_rounds", "drafted", "accepted", "emitted", "idle_rows", "padding_tokens",
                      "prefill_forwards", "prefill_tokens", "fused_prefills", "moved_rows", "recomputed_rows", "aborted",
-                     "finished", "predicted_s", "measured_s", "wall"):
+                     "finished", "siblings", "sibling_hits", "predicted_s", "measured_s", "wall"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accept_hist.update(other.accept_hist)
         self.gamma_hist.update(other.gamma_hist)
@@ -136,6 +138,8 @@ class RunStats:
             "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
             "tokens_per_round": self.emitted / max(1, self.row_rounds),
             "accept_hist": {str(k): v for k, v in sorted(self.accept_hist.items())},
+            "siblings": self.siblings,
+            "sibling_hits": self.sibling_hits,
             "idle_rows_per_round": self.idle_rows / rounds,
             "padding_tokens_per_round": self.padding_tokens / rounds,
             "mean_batch_occupancy": self.row_rounds / rounds,

@@ -29,6 +29,7 @@ from ..core.stats import RunStats
 from ..drafters.base import RoundOutcome
 from ..sampling import BatchSampling, draw_uniforms, probabilities
 from ..verify import greedy_verify, rejection_verify
+from .siblings import Siblings
 
 
 def draft_lengths(batch: list[Request], gamma: int, rope_limit: int | None = None) -> list[int]:
@@ -84,14 +85,23 @@ def run_round(batch: list[Request], target, drafter, policy, gamma: int, timer, 
         q = proposal.probs[:, :drafts.shape[1]] if proposal.probs is not None else None
     else:
         drafts, q = torch.zeros(b, 0, dtype=torch.long, device=device), None
+    # siblings: a greedy round's runner-ups verified beside the chains, where they pay
+    sibs, ranks = None, None
+    if any(lengths) and sampling.all_greedy and proposal.runner_ups is not None and policy.sibling_width:
+        room = [target.kv.capacity - r.kv_len.get("target", 0) - 1 - n for r, n in zip(batch, lengths)]
+        ranks = policy.siblings(decision, records, looked, lengths, proposal.confidence, proposal.runner_up_q)
+        ranks = [row[:max(0, k)] for row, k in zip(ranks, room)]
+        sibs = Siblings.pick(ranks, proposal.runner_ups) if any(ranks) else None
+    extra = [sibs.count(i) if sibs else 0 for i in range(b)]
     # verify: one target pass over every row's newest token and drafts (and a joining prompt)
     features = drafter.features if drafter is not None else None
     idle_before, tick = target.stats.idle_rows, time.perf_counter()
     with timer.stage("verify"):
-        counts = [lead + 1 + n for lead, n in zip(leads, lengths)]
-        ids = _fed_ids(batch, leads, drafts, lengths, device)
-        want = [1 + n for n in lengths] if any(leads) else "all"  # the verified columns' logits: [B, g+1, V]
-        out = target.feed(batch, ids, counts, logits=want, **({"hidden": features} if features else {}))
+        counts = [lead + 1 + n + e for lead, n, e in zip(leads, lengths, extra)]
+        ids = _fed_ids(batch, leads, drafts, lengths, device, sibs)
+        want = [1 + n + e for n, e in zip(lengths, extra)] if any(leads) else "all"  # verified columns: [B, W, V]
+        out = target.feed(batch, ids, counts, logits=want, **({"hidden": features} if features else {}),
+                          **({"parents": sibs.parents(lengths, leads)} if sibs else {}))
         logits, hidden = out if features else (out, None)
         lens = torch.tensor(lengths, dtype=torch.long, device=device)
         if sampling.all_greedy:
@@ -99,25 +109,41 @@ def run_round(batch: list[Request], target, drafter, policy, gamma: int, timer, 
         else:
             p = probabilities(logits, sampling)
             result = rejection_verify(p, q, drafts, u[:, gamma:gamma + drafts.shape[1]], u[:, 2 * gamma], lens)
-        accepted, tokens = result.accepted.tolist(), result.tokens.tolist()
+        chain, tokens = result.accepted.tolist(), result.tokens.tolist()
+        accepted, hits = list(chain), sibs.resolve(result.tokens, chain, lengths, leads) if sibs else [None] * b
+        if any(hits):  # a sibling taken: d_{a+1}'s place, its KV and features, and its column's bonus
+            taken = [i for i, h in enumerate(hits) if h]
+            target.move_columns([batch[i] for i in taken], [hits[i][:2] for i in taken])
+            hidden = hidden.clone() if hidden is not None else None
+            for i in taken:
+                src, dst, bonus = hits[i]
+                accepted[i] += 1
+                tokens[i][accepted[i]] = bonus
+                if hidden is not None:
+                    hidden[i, dst] = hidden[i, src]
     verify_s = time.perf_counter() - tick
     # commit and observe
     target.commit(batch, [lead + 1 + a for lead, a in zip(leads, accepted)])  # (prompt,) newest, accepted drafts
     if drafter is not None and (any(planned) or features):
         drafter.observe(batch, RoundOutcome(accepted, lengths, hidden, leads if any(leads) else None))
+    fed = [n + e for n, e in zip(lengths, extra)] if sibs else None
     if decision is not None:  # (a round whose pass also prefilled prompts corrects no price)
-        policy.observe(decision, lengths, accepted, looked, draft_s, None if any(leads) else verify_s)
+        policy.observe(decision, lengths, chain, looked, draft_s, None if any(leads) else verify_s, fed)
+    if sibs:
+        policy.sibling_record.add(sibs.tested(chain, proposal.runner_up_q, ranks), sum(1 for h in hits if h))
+        stats.siblings += sum(extra)
+        stats.sibling_hits += sum(1 for h in hits if h)
     made = 0
-    for req, a, row, n, lk in zip(batch, accepted, tokens, lengths, looked):
+    for req, a, c, row, n, lk in zip(batch, accepted, chain, tokens, lengths, looked):
         made += req.append(row[: a + 1])
         req.stats.rounds += 1
         if gamma > 0:
             stats.accept_hist[a] += 1
             stats.gamma_hist[n] += 1
         if n:  # (a row that verified nothing moves no record: plain rounds skip them)
-            req.stats.count_drafts(a, n, lk)
+            req.stats.count_drafts(c, n, lk)
             stats.drafted += n
-            stats.accepted += a
+            stats.accepted += c
     elapsed = time.perf_counter() - started
     stats.rounds += 1
     stats.row_rounds += b
@@ -129,17 +155,18 @@ def run_round(batch: list[Request], target, drafter, policy, gamma: int, timer, 
     if not any(leads):  # (a round that also prefilled is no measure of decoding)
         stats.count_round(b, any(lengths), made, elapsed)
         if decision is not None and decision.planned:
-            predicted = policy.predicted(decision, lengths)
+            predicted = policy.predicted(decision, lengths, fed)
             stats.predicted_s += sum(predicted)
             stats.measured_s += draft_s + verify_s
     if trace is not None:
-        trace.record(batch, caps, offer, accepted, offer_s, draft_s, verify_s, elapsed, any(leads))
+        trace.record(batch, caps, offer, chain, offer_s, draft_s, verify_s, elapsed, any(leads))
 
 
-def _fed_ids(batch: list[Request], leads: list[int], drafts: torch.Tensor, lengths: list[int], device) -> torch.Tensor:
+def _fed_ids(batch: list[Request], leads: list[int], drafts: torch.Tensor, lengths: list[int], device,
+             sibs: Siblings | None = None) -> torch.Tensor:
     """[B, max fed] ids: row i's last leads[i] + 1 tokens (its unseen prompt, if joining, and its
-    newest token), then its lengths[i] drafts, right-padded with 0."""
-    rows = [r.token_ids[r.num_tokens - 1 - lead:] + d[:n]
-            for r, lead, d, n in zip(batch, leads, drafts.tolist(), lengths)]
+    newest token), then its lengths[i] drafts (and its siblings), right-padded with 0."""
+    rows = [r.token_ids[r.num_tokens - 1 - lead:] + d[:n] + (sibs.fed(i) if sibs else [])
+            for i, (r, lead, d, n) in enumerate(zip(batch, leads, drafts.tolist(), lengths))]
     width = max(len(row) for row in rows)
     return torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)

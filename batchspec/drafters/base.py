@@ -45,6 +45,11 @@ class DraftProposal:
     # [B, g] a confident drafter's confidence in each draft (max q_ij, read before d_ij is drawn;
     # 0 where it drafted nothing): what a gate steers by and a walk records. None: not known
     confidence: torch.Tensor | None = None
+    # [B, g, w] a greedy drafter's runner-ups at each depth (its next-best tokens after d_j, by
+    # descending q) and [B, g, w] their q: siblings a round may verify beside d_j
+    # (sched/siblings.py). None: none known (a lookup, a sampled round)
+    runner_ups: torch.Tensor | None = None
+    runner_up_q: torch.Tensor | None = None
 
 
 @dataclass

@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from ..sched.gate import Gate
 
 
+RUNNER_UPS = 3  # next-best tokens a greedy draft reports at each depth (siblings: sched/siblings.py)
+
+
 class _Row:
     """A request's row: its KV slot, its first feature's position, the features not entered yet
     (`pending` [k, F], positions base + committed ..: kept as the chunks rounds add, joined when
@@ -217,6 +220,8 @@ class EagleDrafter:
         tokens = torch.zeros(b, g, dtype=torch.long, device=self.device)
         probs = None if sampling.all_greedy else torch.zeros(b, g, self.vocab_size, device=self.device)
         confidence = torch.zeros(b, g, device=self.device)
+        ups = (torch.zeros(b, g, RUNNER_UPS, dtype=torch.long, device=self.device),
+               torch.zeros(b, g, RUNNER_UPS, device=self.device)) if probs is None else None
         live = [i for i in range(b) if lengths[i] > 0]
         at = list(range(len(live)))  # the rows (indices into live) whose logits are of this depth
         going = set(gate.live()) if gate is not None else None
@@ -237,14 +242,28 @@ class EagleDrafter:
                     logits, out = logits.clone(), out.clone()
                     logits[at], out[at] = step_logits[:, 0], step_out[:, 0]
                 rows = [live[k] for k in at]
-                confidence[rows, j] = self._draft(j, live, at, logits, tokens, probs, uniforms, sampling)
+                confidence[rows, j] = self._draft(j, live, at, logits, tokens, probs, uniforms, sampling, ups)
                 if gate is not None:
                     steered = [i for i in rows if i in going]
                     if steered:
                         going = set(gate.step(j + 1, steered, confidence[steered, j].tolist()))
             if gate is not None:
                 lengths = gate.settle()
-        return DraftProposal(tokens, probs, lengths=lengths if lengths != asked else None, confidence=confidence)
+        return DraftProposal(tokens, probs, lengths=lengths if lengths != asked else None, confidence=confidence,
+                             runner_ups=ups[0] if ups else None, runner_up_q=ups[1] if ups else None)
+
+    def _runner_ups(self, j: int, live: list[int], at: list[int], scores: torch.Tensor, best: torch.Tensor,
+                    ups: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Rows live[at]'s RUNNER_UPS next-best tokens after their draft at depth j, and their q."""
+        if not at:
+            return
+        s = scores[at]  # [k, V_draft]
+        logq = s - s.logsumexp(-1, keepdim=True)
+        logq.scatter_(-1, best[at][:, None], float("-inf"))  # (the draft itself is not its own runner-up)
+        top = logq.topk(min(RUNNER_UPS, logq.shape[-1] - 1), dim=-1)
+        rows, width = [live[k] for k in at], top.indices.shape[-1]
+        ups[0][rows, j, :width] = top.indices if self._ids is None else self._ids[top.indices]
+        ups[1][rows, j, :width] = top.values.exp()
 
     def _target_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [b, V_draft] -> over the target vocabulary [b, V], -inf outside the draft's."""
@@ -256,16 +275,19 @@ class EagleDrafter:
         return full[:, : self.vocab_size]
 
     def _draft(self, j: int, live: list[int], at: list[int], logits: torch.Tensor, tokens: torch.Tensor, probs,
-               uniforms, sampling: BatchSampling) -> torch.Tensor:
+               uniforms, sampling: BatchSampling, ups=None) -> torch.Tensor:
         """Draft token j of the live rows from their logits [len(live), V_draft]; returns the
         confidence of rows live[at] (max q: the greedy head's softmax, or the q a sampled row draws
-        from), read off the distribution, never off the drawn token."""
+        from), read off the distribution, never off the drawn token. Greedy (`ups`: runner-ups and
+        their q [B, g, RUNNER_UPS]): the rows' next-best tokens at depth j too."""
         ids = self._ids
         if probs is None and (ids is None or int(ids[-1]) < self.vocab_size):
             # greedy: the argmax over the draft vocabulary, mapped (ids ascend: the same ties)
             scores = (logits[:, : self.vocab_size] if ids is None else logits).float()
             best = scores.argmax(-1)
             tokens[live, j] = best if ids is None else ids[best]
+            if ups is not None:
+                self._runner_ups(j, live, at, scores, best, ups)
             return (scores[at].amax(-1) - scores[at].logsumexp(-1)).exp()
         full = torch.full((tokens.shape[0], self.vocab_size), float("-inf"), device=self.device)
         full[live] = self._target_logits(logits)

@@ -90,11 +90,17 @@ class HybridDrafter:
             probs[index, :width] = drafted.probs
         for i, n in zip(rows, drafted.lengths or sub_lengths):
             out[i] = n
-        confidence = None
+        confidence = ups = up_q = None
         if drafted.confidence is not None:
             confidence = torch.zeros(len(reqs), gamma, device=device)
             confidence[index, :width] = drafted.confidence
-        return DraftProposal(tokens, probs, out, looked=looked, confidence=confidence)
+        if drafted.runner_ups is not None:  # (the lookup rows have none: q 0)
+            w = drafted.runner_ups.shape[-1]
+            ups = torch.zeros(len(reqs), gamma, w, dtype=torch.long, device=device)
+            up_q = torch.zeros(len(reqs), gamma, w, device=device)
+            ups[index, :width], up_q[index, :width] = drafted.runner_ups, drafted.runner_up_q
+        return DraftProposal(tokens, probs, out, looked=looked, confidence=confidence, runner_ups=ups,
+                             runner_up_q=up_q)
 
     def observe(self, reqs: list[Request], outcome: RoundOutcome) -> None:
         rows, self._model_rows = self._model_rows, []

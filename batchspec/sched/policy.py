@@ -64,6 +64,7 @@ from .costs import CostTable
 from .drain import Tail
 from .drain import tail as drain_tail
 from .gate import Calibration, Gate
+from .siblings import SiblingRecord, choose
 from .tetris import best_budget, cumulative, rate_of, select
 
 SHRINK = 16.0  # drafts' worth of the pair's rate that a row's own record starts from
@@ -93,6 +94,8 @@ class SpecPolicy:
     sources: tuple[bool, ...] = (False,)
     confident: bool = False  # the drafter gives each draft's confidence: its rows are gated (`gate.py`)
     calibration: Calibration = field(default_factory=Calibration)  # chance of acceptance by confidence
+    sibling_width: int = 0  # runner-ups a greedy row may verify beside each draft (`siblings.py`); 0: chains
+    sibling_record: SiblingRecord = field(default_factory=SiblingRecord)
     _plain: tuple | None = None  # the rows for which an optimistic plan was plain, the records' age and t's doubling
     _age: int = 0  # rounds that verified drafts so far (records change only then)
     _rounds: int = 0  # rounds asked about so far (`worth_offering`): t of the spread
@@ -224,21 +227,47 @@ class SpecPolicy:
                     lengths, rate = shape, r
         return lengths
 
-    def predicted(self, decision: Decision, lengths: list[int]) -> tuple[float, float]:
-        """(draft, verify) seconds the table predicts for `decision` verifying `lengths`."""
-        depth = max(lengths, default=0)
+    def siblings(self, decision: Decision, stats: list, looked: list[bool], lengths: list[int],
+                 confidence, q) -> list[list[tuple[int, int]]]:
+        """Per row, the runner-ups to verify beside its chain of lengths[i] drafts: (depth index,
+        rank), from their q [B, g, w] (`siblings.py`); each draft's chance is read off its
+        confidence [B, g] where the drafter is `confident`, else the row's rates."""
+        width = min(self.sibling_width, q.shape[-1])
+        if width == 0 or not any(lengths):
+            return [[] for _ in lengths]
+        qs = [[row[j][:width] for j in range(n)] for row, n in zip(q.tolist(), lengths)]
+        if self.table is None:  # (fixed γ: every runner-up offered)
+            return [[(j, k) for j, ups in enumerate(row) for k, p in enumerate(ups) if p > 0] for row in qs]
+        chances = self.rates(stats, looked, lengths)
+        if self.confident and confidence is not None:
+            conf = confidence.tolist()
+            chances = [[self.calibration.chance(conf[i][j]) for j in range(n)] if not lk else r
+                       for i, (n, lk, r) in enumerate(zip(lengths, looked, chances))]
+        draft_s, _ = self.predicted(decision, lengths)
+        b = len(lengths)
+
+        def seconds(extra: list[int]) -> float:
+            fed = [n + e for n, e in zip(lengths, extra)]
+            return draft_s + self.table.verify(b, max(fed), sum(fed))
+        return choose(chances, qs, lengths, seconds, self.sibling_record.factor)
+
+    def predicted(self, decision: Decision, lengths: list[int], fed: list[int] | None = None) -> tuple[float, float]:
+        """(draft, verify) seconds the table predicts for `decision` verifying `lengths` (row i fed
+        fed[i] tokens past its newest: its drafts and siblings; default lengths)."""
         if decision.gate is not None:
-            fed = decision.gate.fed(decision.model_rows)
+            steps = decision.gate.fed(decision.model_rows)
         else:
-            fed = [sum(1 for n, m in zip(decision.lengths, decision.model_rows) if m and n > j) for j in range(
+            steps = [sum(1 for n, m in zip(decision.lengths, decision.model_rows) if m and n > j) for j in range(
                 max(decision.lengths, default=0))]
-        return sum(map(self.table.draft, fed)), self.table.verify(decision.rows, depth, sum(lengths))
+        widths = lengths if fed is None else fed
+        return sum(map(self.table.draft, steps)), self.table.verify(decision.rows, max(widths, default=0), sum(widths))
 
     def observe(self, decision: Decision, lengths: list[int], accepted: list[int], looked: list[bool],
-                draft_s: float, verify_s: float | None) -> None:
-        """A round verified lengths[i] drafts of row i and accepted accepted[i]: the pair's records
-        learn it (each request's own record is kept by the round), and the table's stages are
-        corrected by what they took (verify_s None: a pass that also prefilled, no measure)."""
+                draft_s: float, verify_s: float | None, fed: list[int] | None = None) -> None:
+        """A round verified lengths[i] drafts of row i and accepted accepted[i] (its chain: a sibling
+        taken is not counted): the pair's records learn it (each request's own record is kept by
+        the round), and the table's stages are corrected by what they took (verify_s None: a pass
+        that also prefilled, no measure; fed: as in `predicted`)."""
         for n, a, lk in zip(lengths, accepted, looked):
             if n:
                 rec = self.pair.get(lk)
@@ -251,7 +280,7 @@ class SpecPolicy:
         if any(lengths) or decision.gate is not None:
             self._age += 1
         if self.table is not None and verify_s is not None:
-            draft, verify = self.predicted(decision, lengths)
+            draft, verify = self.predicted(decision, lengths, fed)
             self.table.correct("draft", draft, draft_s)
             self.table.correct("verify", verify, verify_s, drafted=any(lengths))
 
