@@ -112,6 +112,11 @@ class SpecEngine:
     def gamma(self) -> int:
         return self.config.gamma if self.config.speculative else 0
 
+    @property
+    def siblings(self) -> int:
+        """Runner-ups per depth a greedy row may verify: --siblings, at most what the drafter gives."""
+        return min(self.config.siblings, self.drafter.runner_ups) if self.drafter is not None else 0
+
     def _policy(self) -> SpecPolicy:
         """The scheduling policy; adaptive, it prices rounds by a cost table measured once for these
         models on this machine (a few seconds, cached: sched/profile.py)."""
@@ -119,10 +124,10 @@ class SpecEngine:
         table = None
         if cfg.adaptive:
             table = cost_table(self.pair.target, self.drafter, self.pair.draft if self.draft_runner else None,
-                               cfg.batch_size, cfg.gamma, cfg.forward)
+                               cfg.batch_size, cfg.gamma, cfg.forward, self.siblings)
             table = replace(table, scale=dict(table.scale), _by_rows={}, _seen={}, _passes=0)  # (corrected per engine)
         return SpecPolicy(cfg.gamma, table, cfg.budget, sources=self.drafter.sources,
-                          confident=self.drafter.confident, sibling_width=cfg.siblings)
+                          confident=self.drafter.confident, sibling_width=self.siblings)
 
     def _row_capacity(self, target, draft) -> int:
         """Columns per row: `max_kv_tokens` / rows, or the model context (+ one round), capped so

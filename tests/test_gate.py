@@ -206,8 +206,8 @@ def test_a_gate_reading_the_drawn_token_fails_the_same_test(tmp_path, monkeypatc
 
     draft = EagleDrafter._draft
 
-    def peeking(self, j, live, at, logits, tokens, probs, uniforms, sampling):
-        draft(self, j, live, at, logits, tokens, probs, uniforms, sampling)
+    def peeking(self, j, live, at, logits, tokens, probs, uniforms, sampling, ups=None):
+        draft(self, j, live, at, logits, tokens, probs, uniforms, sampling, ups)
         rows = [live[k] for k in at]
         return probs[rows, j].gather(-1, tokens[rows, j][:, None])[:, 0]
     monkeypatch.setattr(EagleDrafter, "_draft", peeking)

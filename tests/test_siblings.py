@@ -87,6 +87,8 @@ class RunnerUps(OracleDrafter):
     """The oracle's drafts (wrong at ragged positions) and two runner-ups at each depth: a random
     token and, in some row-depths, the target's true token where the draft is wrong."""
 
+    runner_ups = 2
+
     def propose(self, reqs, lengths, uniforms, sampling):
         out = super().propose(reqs, lengths, uniforms, sampling)
         b, g = out.tokens.shape
@@ -114,6 +116,7 @@ def test_siblings_taken_keep_greedy_output_exact(arch, forward):
                               forward=forward, debug=True, siblings=2)
         engine = oracle_engine(p, ref_map, config)
         engine.drafter = RunnerUps(ref_map, engine.drafter.mismatch, p.vocab_size, engine.device)
+        engine.policy.sibling_width = 2  # (the engine was built on the plain oracle, which has none)
         outs = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))
         assert [o.token_ids for o in outs] == refs, f"{arch} {forward} bs={bs}"
         stats = engine.stats
@@ -145,6 +148,13 @@ def test_a_sampled_round_verifies_chains_alone(head_dir):
                                         siblings=3))
     engine.generate(ids, SamplingParams(max_new_tokens=8, temperature=0.8, seed=1))
     assert engine.stats.drafted > 0 and engine.stats.siblings == 0
+
+
+def test_the_cost_table_is_measured_as_wide_as_siblings_make_a_pass():
+    from batchspec.sched.profile import profile_cols
+    assert profile_cols(4) == (1, 2, 3, 4, 5)
+    assert profile_cols(4, 3) == (1, 2, 3, 4, 5, 9, 17)
+    assert profile_cols(2, 1) == (1, 2, 3, 5)
 
 
 def test_siblings_must_be_a_count():

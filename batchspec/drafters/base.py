@@ -74,6 +74,8 @@ class Drafter(Protocol):
     # True: `propose` reports each draft's confidence and takes `gate` (sched/gate.py), which stops
     # the rows it steers where their next draft is not worth its price, before its step is paid
     confident: bool
+    # runner-up tokens per depth its greedy proposals carry (`DraftProposal.runner_ups`); 0: none
+    runner_ups: int
 
     def step_probe(self, rows: int, context: int) -> Callable[[], float] | None:
         """A function that runs one draft step of `rows` rows (one token each, over `context`

@@ -72,6 +72,7 @@ class EagleDrafter:
     synthetic = False
     sources = (False,)
     confident = True  # each draft's max q is known before it is drawn: its rows can be gated (sched/gate.py)
+    runner_ups = RUNNER_UPS
     name = "eagle"  # its key in `Request.kv_len`
 
     def __init__(self, head: EagleHead, vocab_size: int, dtype: torch.dtype | None = None) -> None:

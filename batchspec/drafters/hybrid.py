@@ -47,6 +47,7 @@ class HybridDrafter:
         self.model, self.lookup = model, lookup
         self.features = model.features if model is not None else None
         self.confident = model is not None and model.confident  # (a gate steers the model's rows)
+        self.runner_ups = model.runner_ups if model is not None else 0
         self.label = "hybrid:" + lookup.label + ("+" + model.label if self.features else "")
         self._model_rows: list[int] = []  # rows the draft model drafted for this round
 

@@ -40,6 +40,7 @@ class DraftModelDrafter:
     features = None
     sources = (False,)
     confident = False
+    runner_ups = 0
 
     def __init__(self, runner: ModelRunner, window: int | None = None, forward: str = "auto") -> None:
         self.runner, self.forward = runner, forward  # (forward: how `step_probe` runs it, as the runner does)

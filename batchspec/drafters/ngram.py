@@ -104,6 +104,7 @@ class LookupDrafter:
     features = None
     sources = (True,)
     confident = False
+    runner_ups = 0
     device = None
     _found: tuple[tuple, list[list[int]]] | None = None  # the last offer: (its rows, what it found)
 

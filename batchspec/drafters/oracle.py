@@ -41,6 +41,7 @@ class OracleDrafter:
     features = None
     sources = (False,)
     confident = False
+    runner_ups = 0
 
     def __init__(self, references: MutableMapping[tuple[int, ...], list[int]], mismatch: Mismatch,
                  vocab_size: int, device, cost_model: DraftModelDrafter | None = None,

@@ -39,6 +39,7 @@ class Probe:
         self.features = model.features if model is not None else None
         self.sources = (False,)  # (every row is "drafted" by a step, or by nothing: a plain pass)
         self.confident = False  # (fixed γ: every row drafts its cap; a confident model's confidences are kept)
+        self.runner_ups = 0  # (chains: what a recording asks is the drafts)
         self.label = "probe:" + (model.label if model is not None else lookup.label)
         self._asked: list[tuple] | None = None
 

@@ -3,11 +3,14 @@
 A few forwards per grid point through the engine's own forward, every point timed once per sweep
 and the fastest run kept (`core/timing.py`: other work on the machine only ever adds time), within
 PROFILE_BUDGET_S. The grid: rows 1 and the batch size (and 8 between them for larger batches), by
-1 .. γ + 1 tokens per row; one ragged pass (one row fed γ + 1 tokens, the rest 1) for `token_s`,
-and at each row count above 1 one row fed 2 tokens, the rest 1, for `first_s`;
-the drafter's step at each row count through its own `step_probe` (none for a lookup). Kept in
-memory and on disk (`batchspec/cache.py`); a table read from disk is measured again when a plain
-pass now runs in under STALE of what it says (it was taken at a busy moment: see `stale`).
+1 .. γ + 1 tokens per row (and, for a drafter whose rows may verify s runner-ups per depth beside
+their drafts, 1 + 2γ and 1 + γ(1 + s): siblings widen a pass past γ + 1, where a CPU's cost per token
+changes, e.g. SmolLM2 at 2 rows: 1.51x a plain pass at 5 tokens, 1.85x at 9, 3.24x at 17); one
+ragged pass (one row fed γ + 1 tokens, the rest 1) for `token_s`, and at each row count above 1 one
+row fed 2 tokens, the rest 1, for `first_s`; the drafter's step at each row count through its own
+`step_probe` (none for a lookup). Kept in memory and on disk (`batchspec/cache.py`); a table read
+from disk is measured again when a plain pass now runs in under STALE of what it says (it was taken
+at a busy moment: see `stale`).
 """
 
 from __future__ import annotations
@@ -33,10 +36,17 @@ def profile_rows(batch_size: int) -> tuple[int, ...]:
     return tuple(sorted({1, batch_size} | ({8} if batch_size > 16 else set())))
 
 
-def cost_table(target, drafter, draft_model, batch_size: int, gamma: int, forward: str = "auto") -> CostTable:
+def profile_cols(gamma: int, siblings: int = 0) -> tuple[int, ...]:
+    """1 .. γ + 1, and with s siblings per depth 1 + 2γ and 1 + γ(1 + s) (see the module docstring)."""
+    wide = {1 + 2 * gamma, 1 + gamma * (1 + siblings)} if siblings else set()
+    return tuple(sorted(set(range(1, gamma + 2)) | wide))
+
+
+def cost_table(target, drafter, draft_model, batch_size: int, gamma: int, forward: str = "auto",
+               siblings: int = 0) -> CostTable:
     """The cost table of `target` with `drafter` (`Drafter.step_probe`; `draft_model` names its model
-    in the cache key, None for a lookup) at rows `profile_rows(batch_size)` by 1 .. γ + 1 tokens."""
-    rows, cols = profile_rows(batch_size), tuple(range(1, gamma + 2))
+    in the cache key, None for a lookup) at rows `profile_rows(batch_size)` by `profile_cols`."""
+    rows, cols = profile_rows(batch_size), profile_cols(gamma, siblings)
     label = drafter.label if drafter is not None else None
     key = (id(target), id(draft_model), label, str(target.device), str(target.dtype), torch.get_num_threads(),
            rows, cols, forward)
@@ -49,7 +59,7 @@ def cost_table(target, drafter, draft_model, batch_size: int, gamma: int, forwar
                                                     "table": 4})
     table = _read(path)
     if table is None or stale(table, lambda b: step_time(target, b, CONTEXT, 1, 3, forward)):
-        table = measure(target, drafter, rows, cols, forward)
+        table = measure(target, drafter, rows, cols, forward, gamma + 1)
         cache.write(path, table.to_json())
     _TABLES[key] = table
     return table
@@ -78,10 +88,12 @@ def _read(path) -> CostTable | None:
         return None  # from another version: measure again
 
 
-def measure(target, drafter, rows: tuple[int, ...], cols: tuple[int, ...], forward: str = "auto") -> CostTable:
-    """Time the grid now (see the module docstring)."""
-    b, n = rows[-1], cols[-1]
-    width = CONTEXT + n
+def measure(target, drafter, rows: tuple[int, ...], cols: tuple[int, ...], forward: str = "auto",
+            chain: int | None = None) -> CostTable:
+    """Time the grid now (see the module docstring); `chain`: the widest pass without siblings (the
+    ragged pass's row, default the widest column)."""
+    b, n = rows[-1], chain or cols[-1]
+    width = CONTEXT + cols[-1]
     buffers = {r: kv_buffer(target, r, width) for r in rows}
     runners = {("verify", r, c): step_runner(target, r, CONTEXT, c, forward, kv=buffers[r]) for r in rows for c in cols}
     if b > 1 and n > 1:  # one row fed n tokens, the others 1: what a packed pass saves per token

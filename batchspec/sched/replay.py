@@ -337,8 +337,9 @@ def record(engine, prompts, params, meta: dict | None = None) -> Trace:
                                                                 "method": cfg.method, "recorded": time.time(),
                                                                 **(meta or {})}, alongside)
     engine.trace = recorder
+    width, engine.policy.sibling_width = engine.policy.sibling_width, 0  # (chains: replay knows no siblings)
     try:
         engine.generate(prompts, params)
     finally:
-        engine.trace, engine.drafter = None, drafter
+        engine.trace, engine.drafter, engine.policy.sibling_width = None, drafter, width
     return recorder.finish()
