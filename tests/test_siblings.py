@@ -130,7 +130,8 @@ def head_dir(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("batch_size", [1, 3, 8, 32])
+@pytest.mark.parametrize("batch_size", [pytest.param(1, marks=pytest.mark.slow), 3, 8,
+                                        pytest.param(32, marks=pytest.mark.slow)])  # (1: the oracle's test)
 def test_a_head_verifying_its_runner_ups_is_exact(head_dir, batch_size):
     p, ids = pair("llama"), prompts(12)
     refs = references(p, ids, MAX_NEW)
