@@ -5,10 +5,13 @@ Row i verifies its newest token plus its first n_i drafts (n_i <= its cap: never
 it can still emit after its bonus token), so the target pass feeds rows different numbers of
 tokens (the lean forward computes only real tokens). The policy (`sched/policy.py`) chooses the
 n_i from the drafter's offer (a confident drafter's rows: its gate stops them as they are drafted,
-`sched/gate.py`); all n_i = 0 is a plain autoregressive step. A row may join the round
-with its prompt (`SpecEngine._fusable`): it is fed the prompt tokens the target has not seen
-before its newest token, in the same pass, drafts nothing and takes its first token from the
-pass's last column. Example, rows A (decoding, 2 drafts) and B (a prompt of 5 tokens):
+`sched/gate.py`); all n_i = 0 is a plain autoregressive step. A greedy row may also be fed
+siblings after its drafts, the drafter's runner-up tokens at some depths (`sched/siblings.py`
+chooses them, `decode/siblings.py` feeds them and takes one that the target agrees with in a
+rejected draft's place). A row may join the round with its prompt (`SpecEngine._fusable`): it is
+fed the prompt tokens the target has not seen before its newest token, in the same pass, drafts
+nothing and takes its first token from the pass's last column. Example, rows A (decoding, 2
+drafts) and B (a prompt of 5 tokens):
 
     A: fed [t, d1, d2]            logits of all 3 columns verify d1, d2 and draw the bonus
     B: fed [p0, p1, p2, p3, p4]   logits of column 4 only: B's first token (a plain step)

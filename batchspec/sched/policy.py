@@ -44,6 +44,10 @@ draft is drawn from, never the draft). With `budget` C (TETRIS's fixed
 budget), at most C drafts a round are verified, the likeliest first; without a cost table (fixed
 γ: `--no-adaptive`) every row verifies its cap.
 
+Siblings (`siblings.py`): once a greedy round's drafts are known, the runner-ups a scoring drafter
+gives beside them (`sibling_width` per depth) are ranked by expected tokens and the prefix that
+most raises the round's tokens per second is verified, priced by the same table.
+
 A drafter that knows its confidence in each draft before drawing it (`confident`: an EAGLE head)
 has its rows gated (`gate.py`): the plan's lengths say which rows start, up to their caps, and
 at each depth the plan is made again with the rows' chances read off the head's max q, so a
