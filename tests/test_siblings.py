@@ -9,6 +9,8 @@ import dataclasses
 
 import pytest
 import torch
+from test_equivalence import MAX_NEW as EQ_MAX_NEW
+from test_equivalence import workload
 from tiny import ARCH_PARAMS, oracle_engine, pair, prompts, references
 
 from batchspec import EngineConfig, SamplingParams, SpecEngine
@@ -105,20 +107,23 @@ class RunnerUps(OracleDrafter):
 
 @pytest.mark.parametrize("arch", ARCH_PARAMS)
 @pytest.mark.parametrize("forward", ["lean", "hf"])
-def test_siblings_taken_keep_greedy_output_exact(arch, forward):
+@pytest.mark.parametrize("method", ["eqspec", pytest.param("exspec", marks=pytest.mark.slow)])
+def test_siblings_taken_keep_greedy_output_exact(arch, forward, method):
+    """With an EOS that ends some outputs early (a sibling or its bonus may be it), prompts joining
+    rounds (lean eqspec), and rows of every acceptance."""
     if forward == "lean" and arch != "llama":
         pytest.skip("the lean forward runs Llama-family models")
-    p, ids = pair(arch), prompts(12)
-    refs = references(p, ids, MAX_NEW)
+    p, ids, refs = workload(arch)
+    ids, refs = ids[:12], refs[:12]
     ref_map = {tuple(i): r for i, r in zip(ids, refs)}
     for bs in (1, 3, 8):
-        config = EngineConfig(drafter="draft_model", adaptive=False, method="eqspec", batch_size=bs, gamma=3,
+        config = EngineConfig(drafter="draft_model", adaptive=False, method=method, batch_size=bs, gamma=3,
                               forward=forward, debug=True, siblings=2)
         engine = oracle_engine(p, ref_map, config)
         engine.drafter = RunnerUps(ref_map, engine.drafter.mismatch, p.vocab_size, engine.device)
         engine.policy.sibling_width = 2  # (the engine was built on the plain oracle, which has none)
-        outs = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW))
-        assert [o.token_ids for o in outs] == refs, f"{arch} {forward} bs={bs}"
+        outs = engine.generate(ids, SamplingParams(max_new_tokens=EQ_MAX_NEW))
+        assert [o.token_ids for o in outs] == refs, f"{arch} {forward} {method} bs={bs}"
         stats = engine.stats
         assert stats.sibling_hits > 0 and stats.siblings > stats.sibling_hits  # (taken, and not all)
 
