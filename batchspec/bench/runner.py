@@ -348,6 +348,8 @@ def summarize(runs: dict[Cell, list[Run]], costs: dict[tuple[int, int], dict], p
                                               "adaptive",
                                               "prefill_forwards", "fused_prefills")})
             row["accept_hist"] = {str(k): hist[k] for k in sorted(hist)}
+            # runner-ups verified beside chains, and those taken (`siblings`: the cell's setting)
+            row["siblings_verified"], row["sibling_hits"] = stats.get("siblings"), stats.get("sibling_hits")
         if cell.method in ("eqspec", "exspec") and (cell.batch_size, cell.gamma, fwd) in costs:
             cost = costs[(cell.batch_size, cell.gamma, fwd)]
             alpha = stats["acceptance_rate"] or 0.0
