@@ -18,8 +18,9 @@ token after it (the sibling's own column) is the bonus.
             of the round taken (TETRIS's rule, `tetris.py`); none when no prefix beats the chains
             alone. With fixed γ (no cost table) every sibling offered is verified.
 
-Why: on a CPU a pass over one row costs about the same for 1 token as for 8 (SmolLM2: a 5-token
-pass 1.04x a plain one), so at a few rows the round is paid for by tokens per pass. On SmolLM2's
+Why: on a CPU a pass over a few rows costs far less than a step per token fed (SmolLM2 at one row:
+5 tokens 1.19x a plain pass, 9 tokens 1.57x, 17 tokens 1.96x), so at a few rows the round is paid
+for by tokens per pass. On SmolLM2's
 held-out chat and grounded answers, walking rounds as decoding walks them with the shipped head
 at γ = 4: 1.55 tokens per pass with chains alone; with its next 3 tokens at depth 1, 1.77; at
 depths 1 and 2, 1.85; at every depth, 1.88.
