@@ -44,7 +44,7 @@ results_smollm2() {
   batchspec verify --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec,exspec \
     --batch-sizes 1,8,32 --drafter eagle --num-prompts 32 --max-new-tokens 32 --json docs/results/smollm2_verify_eagle.json
   batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --batch-sizes 1,8 \
-    --drafters hybrid,eagle,suffix --gamma 4 --adaptive off,on --twin --num-prompts 16 --max-new-tokens 32 --repeat 2 \
+    --drafters hybrid,eagle,suffix --gamma 4 --adaptive off,on --siblings 3,0 --twin --num-prompts 16 --max-new-tokens 32 --repeat 2 \
     --json docs/results/smollm2_bench.json
   local mixed="${TMPDIR:-/tmp}/batchspec_chat_grounded.jsonl"
   cat batchspec/assets/chat.jsonl batchspec/assets/grounded.jsonl > "$mixed"
