@@ -78,10 +78,9 @@ def test_a_sibling_is_taken_where_the_chain_broke():
     sibs = Siblings([[(0, 5), (1, 9), (1, 3)]])  # (decode/siblings.py's example)
     assert sibs.fed(0) == [5, 9, 3]
     assert sibs.parents([2], [0]) == [[-1, 0, 1, 0, 1, 1]]
-    best = torch.tensor([[7, 3, 8, 2, 6, 1]])
-    assert sibs.resolve(best, [1], [2], [0]) == [(5, 2, 1)]
-    assert sibs.resolve(torch.tensor([[7, 4, 8, 2, 6, 1]]), [2], [2], [0]) == [None]  # (all accepted)
-    assert sibs.resolve(torch.tensor([[6, 3, 8, 2, 6, 1]]), [0], [2], [0]) == [None]  # (no sibling is 6)
+    assert sibs.resolve([[7, 3, 8, 2, 6, 1]], [1], [2], [0]) == [(5, 2, 1)]
+    assert sibs.resolve([[7, 4, 8, 2, 6, 1]], [2], [2], [0]) == [None]  # (all accepted)
+    assert sibs.resolve([[6, 3, 8, 2, 6, 1]], [0], [2], [0]) == [None]  # (no sibling is 6)
 
 
 # ----------------------------------------------------------------------------- exactness

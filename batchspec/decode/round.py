@@ -113,7 +113,7 @@ def run_round(batch: list[Request], target, drafter, policy, gamma: int, timer, 
             p = probabilities(logits, sampling)
             result = rejection_verify(p, q, drafts, u[:, gamma:gamma + drafts.shape[1]], u[:, 2 * gamma], lens)
         chain, tokens = result.accepted.tolist(), result.tokens.tolist()
-        accepted, hits = list(chain), sibs.resolve(result.tokens, chain, lengths, leads) if sibs else [None] * b
+        accepted, hits = list(chain), sibs.resolve(tokens, chain, lengths, leads) if sibs else [None] * b
         if any(hits):  # a sibling taken: d_{a+1}'s place, its KV and features, and its column's bonus
             taken = [i for i, h in enumerate(hits) if h]
             target.move_columns([batch[i] for i in taken], [hits[i][:2] for i in taken])

@@ -55,12 +55,11 @@ class Siblings:
             out.append(chain + [lead + j for j, _ in row])  # a sibling of d_{j+1}: after column lead + j
         return out
 
-    def resolve(self, best: torch.Tensor, accepted: list[int], lengths: list[int],
+    def resolve(self, rows: list[list[int]], accepted: list[int], lengths: list[int],
                 leads: list[int]) -> list[tuple[int, int, int] | None]:
-        """best [B, W]: the argmax at each fed column past the row's leads. Per row, where a sibling
+        """rows [B][W]: the argmax at each fed column past the row's leads. Per row, where a sibling
         is taken: (its column, the column it moves to, the bonus token); else None."""
         out: list[tuple[int, int, int] | None] = []
-        rows = best.tolist() if any(self.rows) else []
         for i, (row, a, n) in enumerate(zip(self.rows, accepted, lengths)):
             hit = None
             if row and a < n:

@@ -253,13 +253,12 @@ class EagleDrafter:
         return DraftProposal(tokens, probs, lengths=lengths if lengths != asked else None, confidence=confidence,
                              runner_ups=ups[0] if ups else None, runner_up_q=ups[1] if ups else None)
 
-    def _runner_ups(self, j: int, live: list[int], at: list[int], scores: torch.Tensor, best: torch.Tensor,
+    def _runner_ups(self, j: int, live: list[int], at: list[int], logq: torch.Tensor, best: torch.Tensor,
                     ups: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Rows live[at]'s RUNNER_UPS next-best tokens after their draft at depth j, and their q."""
+        """Rows live[at]'s RUNNER_UPS next-best tokens after their draft at depth j, and their q, from
+        their log q [len(at), V_draft] (overwritten)."""
         if not at:
             return
-        s = scores[at]  # [k, V_draft]
-        logq = s - s.logsumexp(-1, keepdim=True)
         logq.scatter_(-1, best[at][:, None], float("-inf"))  # (the draft itself is not its own runner-up)
         top = logq.topk(min(RUNNER_UPS, logq.shape[-1] - 1), dim=-1)
         rows, width = [live[k] for k in at], top.indices.shape[-1]
@@ -287,9 +286,12 @@ class EagleDrafter:
             scores = (logits[:, : self.vocab_size] if ids is None else logits).float()
             best = scores.argmax(-1)
             tokens[live, j] = best if ids is None else ids[best]
+            s = scores[at]
+            logq = s - s.logsumexp(-1, keepdim=True)  # [len(at), V_draft]
+            sure = logq.amax(-1).exp()
             if ups is not None:
-                self._runner_ups(j, live, at, scores, best, ups)
-            return (scores[at].amax(-1) - scores[at].logsumexp(-1)).exp()
+                self._runner_ups(j, live, at, logq, best, ups)
+            return sure
         full = torch.full((tokens.shape[0], self.vocab_size), float("-inf"), device=self.device)
         full[live] = self._target_logits(logits)
         rows = [live[k] for k in at]
