@@ -42,7 +42,8 @@ def test_json_schema(report):
     assert set(report) >= {"machine", "config", "results", "notes"}
     json.dumps(report)  # serialisable
     keys = {"method", "batch_size", "gamma", "tokens_per_s", "speedup", "acceptance_rate", "time_share",
-            "ideal_speedup", "efficiency", "speedup_vs_bs1", "peak_memory_mb", "tokens_per_round", "accept_hist"}
+            "ideal_speedup", "efficiency", "speedup_vs_bs1", "peak_memory_mb", "tokens_per_round", "accept_hist",
+            "siblings", "siblings_verified", "sibling_hits"}
     ours = [r for r in report["results"] if not r["method"].startswith("hf_")]
     assert {r["method"] for r in ours} == {"autoregressive", "eqspec", "exspec"}
     for r in ours:

@@ -148,11 +148,22 @@ def test_a_head_verifying_its_runner_ups_is_exact(head_dir, batch_size):
 
 
 def test_a_sampled_round_verifies_chains_alone(head_dir):
+    """Even a drafter that offers runner-ups to sampled rows (the head gives none) gets none verified."""
     p, ids = pair("llama"), prompts(6)
     engine = SpecEngine(p, EngineConfig(batch_size=3, gamma=3, adaptive=False, drafter=f"eagle:{head_dir}",
                                         siblings=3))
+    propose = engine.drafter.propose
+
+    def offering(reqs, lengths, uniforms, sampling, **kw):
+        out = propose(reqs, lengths, uniforms, sampling, **kw)
+        b, g = out.tokens.shape
+        return dataclasses.replace(out, runner_ups=torch.randint(0, p.vocab_size, (b, g, 2)),
+                                   runner_up_q=torch.full((b, g, 2), 0.3))
+    engine.drafter.propose = offering
     engine.generate(ids, SamplingParams(max_new_tokens=8, temperature=0.8, seed=1))
     assert engine.stats.drafted > 0 and engine.stats.siblings == 0
+    engine.generate(ids, SamplingParams(max_new_tokens=8))  # (greedy: they are)
+    assert engine.stats.siblings > 0
 
 
 def test_the_cost_table_is_measured_as_wide_as_siblings_make_a_pass():
