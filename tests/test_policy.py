@@ -4,6 +4,7 @@ exactness with the policy on."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -353,6 +354,25 @@ def test_costs_learn_the_shape_of_drafted_passes():
         t.correct("verify", t.verify(8, 0, 0), 10 * plain)
         t.correct("verify", t.verify(8, 3, 24), 1.0 * drafted, drafted=True)
     assert t.scale["drafted"] == pytest.approx(0.5)
+
+
+def test_a_policy_that_drafts_every_round_makes_one_plain_to_measure_the_shape():
+    """F rests on plain and drafted passes both: after 8 drafted passes and no plain one, and then
+    whenever none was seen for 50 passes (`CostTable.plain_due`), the plan is a plain round; held
+    (seeded sampled) rows keep their caps. Never before a drafted pass was seen."""
+    policy = policy_at(0.9, table=table())
+    plans = []
+    for _ in range(120):
+        assert not policy.table.plain_due() or policy.table._seen.get(True)
+        decision = policy.plan(fresh(8), [3] * 8, [None] * 8, [False] * 8)
+        plans.append(any(decision.lengths))
+        draft, verify = policy.predicted(decision, decision.lengths)
+        policy.observe(decision, decision.lengths, [3] * 8, [False] * 8, draft, verify)
+    assert [i for i, drafted in enumerate(plans) if not drafted] == [8, 59, 110]
+    due = copy.deepcopy(policy)
+    for _ in range(50):
+        due.table.correct("verify", 0.03, 0.03, drafted=True)
+    assert due.table.plain_due() and due.plan(fresh(8), [3] * 8, [None] * 8, [True] * 8).lengths == [3] * 8
 
 
 def test_the_policy_corrects_each_stage_by_what_it_took():

@@ -50,8 +50,8 @@ def test_the_policy_prices_siblings_with_its_cost_table():
         cols = (1, 2, 3, 4, 5, 6, 7, 8, 9)
         return CostTable(rows=(1,), cols=cols, verify_s={(1, c): 0.010 + per_token * (c - 1) for c in cols},
                          draft_s={1: 0.001})
-    q = torch.tensor([[[0.3, 0.1, 0.0], [0.2, 0.0, 0.0]]])
-    confidence = torch.tensor([[0.5, 0.5]])
+    q = [[[0.3, 0.1, 0.0], [0.2, 0.0, 0.0]]]
+    confidence = [[0.5, 0.5]]
     decision = Decision(1, [2], [True], True)
     for per_token, expect in ((0.0001, [[(0, 0), (0, 1), (1, 0)]]), (0.01, [[]])):
         policy = SpecPolicy(gamma=2, table=table(per_token), confident=True, sibling_width=3)

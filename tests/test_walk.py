@@ -7,6 +7,7 @@ Deterministic and clock-free: a walk prices rounds from its cost table and recor
 from __future__ import annotations
 
 import copy
+import random
 from pathlib import Path
 
 import pytest
@@ -133,7 +134,7 @@ def test_a_probe_judges_every_position_against_the_final_tokens(monkeypatch):
     finals = {tuple(q): q + out for q, out in zip(ids, references(p, ids, 16))}
     assert all(r["emitted"] == 16 and set(range(1, 15)) <= set(r["at"]) for r in walk.requests.values())
     judged = 0
-    for req, at, model, lookup, _ in asked:
+    for req, at, model, lookup, *_ in asked:
         final = finals[tuple(req.token_ids[:req.prompt_len])][at:]
         cap, a_model, n_lookup, a_lookup = walk.requests[req.index]["at"][at - req.prompt_len]
         for proposal, got in ((model, a_model), (lookup, a_lookup)):
@@ -166,32 +167,29 @@ VIEWS = [(p, v) for p in WALKS for v in Walk.load(p).views]
 @pytest.mark.parametrize("path,view", VIEWS, ids=[f"{p.stem}-{v}" for p, v in VIEWS])
 def test_the_policy_on_recorded_walks(path, view):
     """Issues 70 and 71's goals on the shipped walks (tests/walks: the bundled pair's hybrid, and
-    SmolLM2's default hybrid of the suffix lookup and its head with the head's confidences recorded,
-    so its rows are gated as the engine gates them: sched/gate.py), rows moving as the policy's
-    plans move them: within 5 % of the hindsight oracle in every view, and for what the defaults
-    run (the hybrid) never more than 2 % below the best fixed γ nor below 0.98x plain decoding.
-    Not met on SmolLM2's 8-row walk, held at its floor (`SHORT`): 0.971x plain decoding (ungated,
-    0.978x, also short). Gated is level with or above ungated on every half and third of that walk
-    (+0.0 to +2.5 %); the whole walk's -0.7 % is the trajectory: a policy at the margin of drafting
-    moves by up to 9 % on parts of a walk when its exploration bonus moves by 4 %."""
+    SmolLM2's default hybrid of the suffix lookup and its head with the head's confidences and
+    runner-ups recorded, so its rows are gated and its runner-ups verified as the engine does:
+    sched/gate.py, sched/siblings.py), rows moving as the policy's plans move them: within 5 % of
+    the hindsight oracle in every view, and for what the defaults run (the hybrid) never more than
+    2 % below the best fixed γ nor below 0.98x plain decoding."""
     walk = Walk.load(path)
     res = compare(walk, view)
     best = max(v for k, v in res.items() if k.startswith("fixed"))
     assert res["policy"] >= 0.95 * res["oracle"], res
     if view == "hybrid":
         assert res["policy"] >= 0.98 * best, res
-        assert res["policy"] >= SHORT.get(path.stem, 0.98) * res["plain"], res
+        assert res["policy"] >= 0.98 * res["plain"], res
 
 
-SHORT = {"smollm2_b8": 0.97}  # floors of the walks where the defaults lose to plain decoding
-
-
-@pytest.mark.parametrize("factor,floor", [(1.25, 0.98), (0.75, 1.1)])
+@pytest.mark.parametrize("factor,floor", [(1.5, 0.97), (1.25, 0.97), (0.75, 1.35)])
 def test_a_policy_learns_what_drafted_passes_cost_on_the_machine(factor, floor):
     """A machine whose passes that verify drafts cost `factor` x the table's price (the shape moved
     since the table was measured: `costs.py`, F), on SmolLM2's 8-row walk as the hybrid drafts.
-    Priced by the table's shape the policy made 0.932x plain decoding at 1.25 (it drafted rounds
-    that lose) and 1.017x at 0.75 (it left rounds that pay); learning F, 0.994x and 1.179x."""
+    Priced by the table's shape the policy made 0.754x / 0.897x plain decoding at 1.5 / 1.25 (it
+    drafted rounds that lose) and 1.398x at 0.75; learning F from the plain passes it met, 0.797x /
+    0.925x / 1.401x: it drafts nearly every round on this walk, and met plain passes only as the
+    batch drained. With a plain round once no plain pass was seen for 50 passes (8 at first:
+    `CostTable.plain_due`), 0.978x / 0.976x / 1.416x."""
     walk = Walk.load(Path(__file__).parent / "walks" / "smollm2_b8.json")
     machine = copy.copy(walk)
     machine.table = copy.deepcopy(walk.table)
@@ -271,9 +269,9 @@ def test_only_a_closed_job_drains():
     seen = []
 
     class Spy(SpecPolicy):
-        def plan(self, stats, caps, offer, held, left=None):
+        def worth_offering(self, key, stats, caps, held, left=None):
             seen.append(left)
-            return super().plan(stats, caps, offer, held, left)
+            return super().worth_offering(key, stats, caps, held, left)
     p = pair("llama")
     engine = SpecEngine(p, EngineConfig(gamma=2, batch_size=2, drafter="draft_model"))
     engine.policy = Spy(2, copy.deepcopy(engine.policy.table), sources=engine.policy.sources)
@@ -290,8 +288,8 @@ def test_only_a_closed_job_drains():
 
 def test_drain_pricing_raises_the_32_row_walk():
     """On SmolLM2's 32-row walk (the chat and grounded sets, 64 prompts x 48 tokens) the hybrid,
-    priced as if requests always waited, makes 0.964x plain decoding; pricing a draining job's
-    rounds by what they take off its rest, 0.989x."""
+    priced as if requests always waited, makes 0.958x plain decoding; pricing a draining job's
+    rounds by what they take off its rest, 0.984x."""
     walk = Walk.load(Path(__file__).parent / "walks" / "smollm2_b32.json")
 
     class Steady(SpecPolicy):
@@ -303,3 +301,75 @@ def test_drain_pricing_raises_the_32_row_walk():
         chooser = PolicyChooser(cls(walk.gamma, copy.deepcopy(walk.table), sources=(False, True)))
         rates[name] = simulate(walk, chooser, "hybrid", chooser.observe) / plain
     assert rates["drain"] > 1.02 * rates["steady"], rates
+
+
+# ----------------------------------------------------------------------------- siblings on walks
+def test_a_walk_records_where_a_runner_up_was_the_targets_token(tmp_path):
+    """A head walked: at each position its runner-ups' q at every depth it drafted, and the rank of
+    the target's own token (computed apart) among the runner-ups at the depth of the first rejected
+    draft; None where it is not among them or nothing was rejected."""
+    from batchspec.eagle.formats import save_head
+    from batchspec.eagle.head import new_head
+
+    p, ids = pair("llama", draft_kind="none"), prompts(6, seed=4, max_len=12)
+    save_head(new_head(p.target, "eagle", draft_vocab=40, seed=5), tmp_path)
+    asked, take = [], Probe.take
+
+    def spy(self):
+        got = take(self)
+        asked.extend(got or [])
+        return got
+    engine = SpecEngine(p, EngineConfig(adaptive=False, gamma=3, batch_size=3, drafter=f"eagle:{tmp_path}"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Probe, "take", spy)
+        walk = record(engine, ids, SamplingParams(max_new_tokens=16))
+    assert walk.runner_up_width == 3
+    finals = {tuple(q): q + out for q, out in zip(ids, references(p, ids, 16))}
+    hits = judged = 0
+    for req, at, model, _, _, ups in asked:
+        if not model:
+            continue
+        final = finals[tuple(req.token_ids[:req.prompt_len])][at:]
+        entry = walk.requests[req.index]["at"][at - req.prompt_len]
+        a = entry[1]
+        assert entry[5] == [[round(q, 3) for _, q in depth] for depth in ups] and len(ups) == len(model)
+        want = None
+        if a < len(model) and a < len(final):
+            tokens = [t for t, _ in ups[a]]
+            want = tokens.index(final[a]) if final[a] in tokens else None
+        assert entry[6] == want
+        judged += 1
+        hits += want is not None
+    assert judged > 20 and hits > 0
+
+
+def _sibling_walk(hits: bool, q: float) -> Walk:
+    """The worked walk's one slot, 200 tokens, each position's head accepting 0 (half the time), 1 or
+    2 of its 2 drafts (at random, seeded), 0.6 sure of each, its runner-ups at q and 0.01; where it rejects a
+    draft, the target's token is its first runner-up (`hits`) or none of them."""
+    rng = random.Random(0)
+    walk = _worked_walk()
+    at = {}
+    for k in range(199):
+        a = rng.choice((0, 0, 1, 2))
+        at[k] = [2, a, None, None, [0.6, 0.6], [[q, 0.01], [q, 0.01]], 0 if hits and a < 2 else None]
+    walk.requests[0] = {"emitted": 200, "limit": 200, "at": at}
+    return walk
+
+
+def test_a_policy_takes_the_runner_ups_a_walk_says_were_right():
+    """Where the target's token was the head's first runner-up at each rejection, a policy
+    verifying runner-ups (sibling width 2) commits more tokens a second than on chains, and takes
+    some; where none was right, it takes none and makes no more than on chains (what it fed costs)."""
+    def rate(hits: bool, width: int) -> tuple[float, SpecPolicy]:
+        walk = _sibling_walk(hits, 0.3)
+        policy = SpecPolicy(walk.gamma, copy.deepcopy(walk.table), confident=True, sibling_width=width)
+        chooser = PolicyChooser(policy)
+        return simulate(walk, chooser, "model", chooser.observe), policy
+    chains, _ = rate(True, 0)
+    taken, policy = rate(True, 2)
+    assert taken > 1.03 * chains and policy.sibling_record.hits > 0 and policy.sibling_record.factor > 1
+    missed, policy = rate(False, 2)
+    assert missed < chains and policy.sibling_record.hits == 0 and policy.sibling_record.factor < 1
+    res = compare(_sibling_walk(True, 0.3), "model")
+    assert res["policy"] == pytest.approx(taken) and res["policy, chains"] == pytest.approx(chains)

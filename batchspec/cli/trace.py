@@ -96,7 +96,9 @@ def _is_walk(path: Path) -> bool:
 
 
 def _walk_rows(table: Table, path: Path, walks) -> None:
-    """A walk's rows in the replay table: `plain` and `autoregressive` are the same there."""
+    """A walk's rows in the replay table: `plain` and `autoregressive` are the same there; where the
+    head's runner-ups were recorded, the policy verifies them as the engine does, and its rate on
+    chains alone follows in brackets."""
     try:
         walk = walks.Walk.load(path)
     except (OSError, ValueError, KeyError) as exc:
@@ -104,7 +106,8 @@ def _walk_rows(table: Table, path: Path, walks) -> None:
     for view in walk.views:
         res = walks.compare(walk, view)
         best = max((k for k in res if k.startswith("fixed")), key=res.get)
-        table.add_row(f"{path.stem} as {view}", str(len(walk.rounds)), f"{res['policy']:.1f}", f"{res['plain']:.1f}",
-                      f"{res['plain']:.1f}", f"{res[best]:.1f} ({best.split('=')[1]})", f"{res['oracle']:.1f}",
-                      f"{res['clairvoyant']:.1f}", f"{res['policy'] / res['oracle']:.3f}",
+        chains = f" (chains {res['policy, chains']:.1f})" if "policy, chains" in res else ""  # (runner-ups recorded)
+        table.add_row(f"{path.stem} as {view}", str(len(walk.rounds)), f"{res['policy']:.1f}{chains}",
+                      f"{res['plain']:.1f}", f"{res['plain']:.1f}", f"{res[best]:.1f} ({best.split('=')[1]})",
+                      f"{res['oracle']:.1f}", f"{res['clairvoyant']:.1f}", f"{res['policy'] / res['oracle']:.3f}",
                       f"{res['policy'] / res[best]:.3f}", f"{res['policy'] / res['plain']:.3f}")

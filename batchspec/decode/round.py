@@ -92,7 +92,9 @@ def run_round(batch: list[Request], target, drafter, policy, gamma: int, timer, 
     sibs, ranks = None, None
     if any(lengths) and sampling.all_greedy and proposal.runner_ups is not None and policy.sibling_width:
         room = [target.kv.capacity - r.kv_len.get("target", 0) - 1 - n for r, n in zip(batch, lengths)]
-        ranks = policy.siblings(decision, records, looked, lengths, proposal.confidence, proposal.runner_up_q)
+        conf = proposal.confidence.tolist() if proposal.confidence is not None else None
+        ups_q = proposal.runner_up_q.tolist()
+        ranks = policy.siblings(decision, records, looked, lengths, conf, ups_q)
         ranks = [row[:max(0, k)] for row, k in zip(ranks, room)]
         sibs = Siblings.pick(ranks, proposal.runner_ups) if any(ranks) else None
     extra = [sibs.count(i) if sibs else 0 for i in range(b)]
@@ -133,7 +135,7 @@ def run_round(batch: list[Request], target, drafter, policy, gamma: int, timer, 
     if decision is not None:  # (a round whose pass also prefilled prompts corrects no price)
         policy.observe(decision, lengths, chain, looked, draft_s, None if any(leads) else verify_s, fed)
     if sibs:
-        policy.sibling_record.add(sibs.tested(chain, proposal.runner_up_q, ranks), sum(1 for h in hits if h))
+        policy.observe_siblings(ranks, ups_q, chain, sum(1 for h in hits if h))
         stats.siblings += sum(extra)
         stats.sibling_hits += sum(1 for h in hits if h)
     made = 0

@@ -71,11 +71,3 @@ class Siblings:
                         break
             out.append(hit)
         return out
-
-    def tested(self, accepted: list[int], q: torch.Tensor | None, ranks: list[list[tuple[int, int]]]
-               ) -> float:
-        """Σ q of the siblings the chain reached (depth j <= accepted): what they promised."""
-        if q is None:
-            return 0.0
-        qs = q.tolist()
-        return sum(qs[i][j][k] for i, (row, a) in enumerate(zip(ranks, accepted)) for j, k in row if j <= a)

@@ -27,8 +27,8 @@ from .base import DraftProposal, RoundOutcome
 class Probe:
     """`model`: a drafter whose rows cost a step (None: none); `lookup`: a `LookupDrafter` (None:
     none). `take()` hands over each round's asks: (request, its length then, the model's
-    proposal or None, the lookup's or None, the model's confidence in each of its drafts or None)
-    per row."""
+    proposal or None, the lookup's or None, the model's confidence in each of its drafts or None,
+    its runner-ups at each depth [(token, q), ...] or None: `DraftProposal.runner_ups`) per row."""
 
     synthetic = False
 
@@ -62,7 +62,7 @@ class Probe:
 
     def offer(self, reqs: list[Request], caps: list[int]) -> list[int | None]:
         found = self.lookup.lookups(reqs, caps) if self.lookup is not None else [None] * len(reqs)
-        self._asked = [(r, r.num_tokens, None, f, None) for r, f in zip(reqs, found)]
+        self._asked = [(r, r.num_tokens, None, f, None, None) for r, f in zip(reqs, found)]
         return [None] * len(reqs)  # (fixed γ: every row is planned at its cap)
 
     def prefill(self, reqs: list[Request], ends: list[int], hidden=None, counts=None) -> None:
@@ -78,8 +78,11 @@ class Probe:
             rows = drafted.tokens.tolist()
             cut = drafted.lengths or lengths
             sure = drafted.confidence.tolist() if drafted.confidence is not None else [None] * b
-            self._asked = [(r, at, row[:min(n, m)], f, c and [round(x, 3) for x in c[:min(n, m)]])
-                           for (r, at, _, f, _), row, n, m, c in zip(self._asked, rows, lengths, cut, sure)]
+            ups = ([[list(zip(t, q)) for t, q in zip(tok, qs)] for tok, qs in
+                    zip(drafted.runner_ups.tolist(), drafted.runner_up_q.tolist())]
+                   if drafted.runner_ups is not None else [None] * b)
+            self._asked = [(r, at, row[:min(n, m)], f, c and [round(x, 3) for x in c[:min(n, m)]], u and u[:min(n, m)])
+                           for (r, at, _, f, _, _), row, n, m, c, u in zip(self._asked, rows, lengths, cut, sure, ups)]
         device = self.model.device if self.model is not None else None
         return DraftProposal(torch.zeros(b, 0, dtype=torch.long, device=device), None, [0] * b, looked=[False] * b)
 

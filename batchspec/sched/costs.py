@@ -30,16 +30,18 @@ over predicted ones:
             table's price (an average, weight SHAPE_WEIGHT), over what plain passes measured over
             theirs, while both were seen within SHAPE_FRESH verify passes of each other; otherwise
             F moves toward 1 by SHAPE_RELAX a pass (the table's shape again), so that a factor a
-            busy spell left high is not kept by the plain rounds it causes. A round that drafts
-            always (batch 1) never meets a plain pass and keeps the table's shape.
+            busy spell left high is not kept by the plain rounds it causes. A run that drafts
+            every round would never meet a plain pass: the policy makes one round plain when none
+            was seen for SHAPE_FRESH passes (SHAPE_FIRST at first: `plain_due`).
             Why: on a shared machine the shape moves. SmolLM2 at 8 rows on the 2-core EPYC, two
             profiles a minute apart: V(8, 2) / V(8, 1) read 79.5 / 59.7 ms (1.33) in a quiet
             spell and 96.6 / 96.6 (1.00) in a busy one (another tenant's memory traffic slows the
             weight-bound plain pass most). The profile keeps the fastest runs (`core/timing.py`),
             so a cached table holds the quiet shape, and a busy hour's engines priced drafts
-            dearer than they were. On walks (tests/test_walk.py) whose drafted passes cost 0.75x
-            or 1.25x the table's price, the SmolLM2 8-row walk as the hybrid made 1.017x / 0.932x
-            plain decoding without F, 1.179x / 0.994x with it; at 1x F stays 1 and nothing moves.
+            dearer than they were. On walks (tests/test_walk.py) whose drafted passes cost 1.5x /
+            1.25x / 0.75x the table's price, the SmolLM2 8-row walk as the hybrid made 0.754x /
+            0.897x / 1.398x plain decoding without F, 0.978x / 0.976x / 1.416x with it and its
+            plain rounds; at 1x F stays 1.
 
 Example, b = 8: V(8, 1) = 20 ms, V(8, 5) = 36 ms, s = 0.5 ms, D(8) = 2 ms, J(8) = 5 ms. Rows
 verifying [4, 4, 0, 0, 0, 0, 0, 0] drafts by a model: draft 4 x D(2) (D interpolated to 2 rows),
@@ -55,6 +57,7 @@ from dataclasses import dataclass, field
 
 CORRECTION = 0.05  # weight of one round's measured / predicted in a stage's correction (~20 rounds' memory)
 SHAPE_FRESH = 50  # verify passes: plain and drafted passes measured this close together give the shape F
+SHAPE_FIRST = 8  # verify passes, all drafted: then a plain one, for F's first measure (`plain_due`)
 SHAPE_RELAX = 0.02  # F's move toward 1 per verify pass while it cannot be measured (~50 passes' memory)
 SHAPE_LIMITS = (0.5, 2.0)  # F stays within these
 SHAPE_WEIGHT = 0.1  # weight of one pass in the averages behind F (~10 passes: a machine's spells are short)
@@ -147,6 +150,14 @@ class CostTable:
         if stage == "verify":
             self._shape(predicted, measured, drafted)
         self.scale[stage] *= (measured / predicted) ** CORRECTION
+
+    def plain_due(self) -> bool:
+        """Whether the next round should be plain to keep F measured: passes that verify drafts are
+        being seen, and no plain pass for SHAPE_FRESH passes (F rests on both kinds; a run that
+        drafts every round would otherwise never meet a plain pass and lose F)."""
+        spec, plain = self._seen.get(True), self._seen.get(False)
+        since = self._passes - (plain[1] if plain else 0)
+        return spec is not None and since >= (SHAPE_FRESH if plain else SHAPE_FIRST)
 
     def _shape(self, predicted: float, measured: float, drafted: bool) -> None:
         self._passes += 1

@@ -25,7 +25,8 @@ Pure Python over the rows' acceptance records and the cost table (`costs.py`). P
             depth for the rows a model drafts, none for lookup rows, and one verify pass; the
             shapes of fixed γ = k (every row, or the lookup rows alone) are priced too, since T
             is not additive and no prefix may hold them. All lengths 0 is a plain round, chosen
-            whenever nothing beats it.
+            whenever nothing beats it, and whenever no plain pass was seen for a while (the
+            table's shape F rests on both kinds of pass: `CostTable.plain_due`).
     drain   when a job's last requests run (none waits: `left`, each row's tokens left), a round is
             worth what it takes off the rest of the job decoded plainly, c Σ L_i + a max L_i
             (V(k) ≈ a + c k; `drain.py`), the max's expectation over the rows' acceptances: every
@@ -68,7 +69,7 @@ from .costs import CostTable
 from .drain import Tail
 from .drain import tail as drain_tail
 from .gate import Calibration, Gate
-from .siblings import SiblingRecord, choose
+from .siblings import SiblingRecord, choose, promised
 from .tetris import best_budget, cumulative, rate_of, select
 
 SHRINK = 16.0  # drafts' worth of the pair's rate that a row's own record starts from
@@ -172,6 +173,8 @@ class SpecPolicy:
         """Per-row lengths for this round (see the module docstring). caps[i]: the most row i may
         verify; offer[i]: drafts a lookup has for it (a cap, at no step), None: a model step;
         left[i]: the tokens row i may still emit, given when no request waits (`tail`)."""
+        if self.table is not None and not any(held) and self.table.plain_due():  # (F measured: `costs.py`)
+            return Decision(len(caps), [0] * len(caps), [False] * len(caps), True)
         looked = [o is not None for o in offer]
         caps = [c if o is None else min(c, o) for c, o in zip(caps, offer)]
         model_rows = [not lk and c > 0 for lk, c in zip(looked, caps)]
@@ -232,20 +235,19 @@ class SpecPolicy:
         return lengths
 
     def siblings(self, decision: Decision, stats: list, looked: list[bool], lengths: list[int],
-                 confidence, q) -> list[list[tuple[int, int]]]:
-        """Per row, the runner-ups to verify beside its chain of lengths[i] drafts: (depth index,
-        rank), from their q [B, g, w] (`siblings.py`); each draft's chance is read off its
-        confidence [B, g] where the drafter is `confident`, else the row's rates."""
-        width = min(self.sibling_width, q.shape[-1])
-        if width == 0 or not any(lengths):
+                 confidence: list[list[float]] | None, q: list[list[list[float]]]) -> list[list[tuple[int, int]]]:
+        """Per row, the runner-ups to verify beside its chain of lengths[i] drafts: (depth index j,
+        rank), from their q (q[i][j][k]: row i's k-th runner-up at depth j; `siblings.py`); each
+        draft's chance is read off its confidence (confidence[i][j]) where the drafter is
+        `confident`, else the row's rates."""
+        if self.sibling_width == 0 or not any(lengths):
             return [[] for _ in lengths]
-        qs = [[row[j][:width] for j in range(n)] for row, n in zip(q.tolist(), lengths)]
+        qs = [[row[j][:self.sibling_width] for j in range(min(n, len(row)))] for row, n in zip(q, lengths)]
         if self.table is None:  # (fixed γ: every runner-up offered)
             return [[(j, k) for j, ups in enumerate(row) for k, p in enumerate(ups) if p > 0] for row in qs]
         chances = self.rates(stats, looked, lengths)
         if self.confident and confidence is not None:
-            conf = confidence.tolist()
-            chances = [[self.calibration.chance(conf[i][j]) for j in range(n)] if not lk else r
+            chances = [[self.calibration.chance(confidence[i][j]) for j in range(n)] if not lk else r
                        for i, (n, lk, r) in enumerate(zip(lengths, looked, chances))]
         draft_s, _ = self.predicted(decision, lengths)
         b = len(lengths)
@@ -254,6 +256,12 @@ class SpecPolicy:
             fed = [n + e for n, e in zip(lengths, extra)]
             return draft_s + self.table.verify(b, max(fed), sum(fed))
         return choose(chances, qs, lengths, seconds, self.sibling_record.factor)
+
+    def observe_siblings(self, ranks: list[list[tuple[int, int]]], q: list[list[list[float]]], accepted: list[int],
+                         hits: int) -> None:
+        """A round verified siblings `ranks` (as `siblings` chose them, q as given there) beside
+        chains that accepted `accepted`, and took `hits` of them: the factor f learns it."""
+        self.sibling_record.add(promised(ranks, q, accepted), hits)
 
     def predicted(self, decision: Decision, lengths: list[int], fed: list[int] | None = None) -> tuple[float, float]:
         """(draft, verify) seconds the table predicts for `decision` verifying `lengths` (row i fed

@@ -169,13 +169,16 @@ class RoundCosts:
         return cls(table, *(statistics.median(r) if r else 1.0 for r in ratios[:2]),
                    max(0.0, statistics.median(ratios[2])) if ratios[2] else 0.0)
 
-    def seconds(self, lengths: list[int], model: list[bool], fed: list[int] | None = None) -> tuple[float, float]:
+    def seconds(self, lengths: list[int], model: list[bool], fed: list[int] | None = None,
+                widths: list[int] | None = None) -> tuple[float, float]:
         """(draft, verify) seconds of a round verifying `lengths`, fed[j] rows stepped at depth j
-        (None: a model row stepped once per draft it verifies)."""
+        (None: a model row stepped once per draft it verifies), row i fed widths[i] tokens past its
+        newest (its drafts and siblings; None: its drafts)."""
         if fed is None:
             fed = [sum(1 for n, m in zip(lengths, model) if m and n > j) for j in range(max(lengths, default=0))]
+        widths = lengths if widths is None else widths
         return (self.draft_ratio * sum(map(self.table.draft, fed)),
-                self.verify_ratio * self.table.verify(len(lengths), max(lengths, default=0), sum(lengths)))
+                self.verify_ratio * self.table.verify(len(lengths), max(widths, default=0), sum(widths)))
 
 
 def replay(trace: Trace, choose, observe=None) -> float:
@@ -232,37 +235,51 @@ class PolicyChooser:
     """`replay`'s view of a SpecPolicy: the engine's round, less the tensors."""
 
     def __init__(self, policy: SpecPolicy) -> None:
-        self.policy, self._decision = policy, None
+        self.policy, self._decision, self._siblings = policy, None, None
 
-    def __call__(self, ids, records, caps, offer, held, accepted, costs, left=None, sure=None):
-        """sure[i]: row i's recorded confidences (a walk's), which drive a confident policy's gate."""
+    def __call__(self, ids, records, caps, offer, held, accepted, costs, left=None, sure=None, ups=None):
+        """sure[i]: row i's recorded confidences (a walk's), which drive a confident policy's gate;
+        ups[i]: the q of its runner-ups at each depth (None: none), of which a policy with a
+        sibling width verifies some. Returns (lengths, whether the offer was asked for[, the draft
+        steps at each depth (None: one per draft), the siblings chosen per row])."""
         if isinstance(self.policy, Hindsight):  # (it reads the truth by request)
             self.policy.ids = ids
+        self._siblings = None
         if not any(caps) or not self.policy.worth_offering(tuple(ids), records, caps, held, left):
             self._decision = None
             return [0] * len(caps), False
         decision = self._decision = self.policy.plan(records, caps, offer, held, left)
-        if decision.gate is None:
-            return decision.lengths, True
-        if sure is None:
-            raise ValueError("a confident policy is gated by the drafter's confidences: walk it on a walk that "
-                             "recorded them (batchspec trace record --walk with a head)")
-        lengths = drive(decision.gate, [c or [] for c in sure])
-        return lengths, True, decision.gate.fed(decision.model_rows)
+        steps, lengths = None, decision.lengths
+        if decision.gate is not None:
+            if sure is None:
+                raise ValueError("a confident policy is gated by the drafter's confidences: walk it on a walk that "
+                                 "recorded them (batchspec trace record --walk with a head)")
+            lengths = drive(decision.gate, [c or [] for c in sure])
+            steps = decision.gate.fed(decision.model_rows)
+        if ups is None or not self.policy.sibling_width or not any(lengths):
+            return (lengths, True) if steps is None else (lengths, True, steps)
+        q = [u or [] for u in ups]
+        ranks = self.policy.siblings(decision, records, [o is not None for o in offer], lengths,
+                                     [c or [] for c in sure] if sure is not None else None, q)
+        self._siblings = (ranks, q)
+        return lengths, True, steps, ranks
 
-    def observe(self, lengths, accepted, looked, draft_s, verify_s) -> None:
+    def observe(self, lengths, accepted, looked, draft_s, verify_s, fed=None, hits=0) -> None:
+        """What the round verified (fed[i]: row i's drafts and siblings) and its siblings' hits."""
         if self._decision is not None:
-            self.policy.observe(self._decision, lengths, accepted, looked, draft_s, verify_s)
+            self.policy.observe(self._decision, lengths, accepted, looked, draft_s, verify_s, fed)
+            if self._siblings is not None:
+                self.policy.observe_siblings(*self._siblings, accepted, hits)
 
 
 def fixed(k: int):
-    """Every row drafts min(k, its cap, what its lookup found); k = 0 is plain decoding."""
-    def choose(ids, records, caps, offer, held, accepted, costs, left=None, sure=None):
+    """Every row drafts min(k, its cap, what its lookup found); k = 0 is plain decoding (chains only)."""
+    def choose(ids, records, caps, offer, held, accepted, costs, left=None, sure=None, ups=None):
         return [min(k, c, o) if o is not None else min(k, c) for c, o in zip(caps, offer)], k > 0
     return choose
 
 
-def clairvoyant(ids, records, caps, offer, held, accepted, costs, left=None, sure=None):
+def clairvoyant(ids, records, caps, offer, held, accepted, costs, left=None, sure=None, ups=None):
     """Knows each row's accepted count: gains 1 up to it, 0 after (a draining batch priced as the policy's)."""
     caps = [min(c, o) if o is not None else c for c, o in zip(caps, offer)]
     gains = [[1.0 if j < a else 0.0 for j in range(c)] for a, c in zip(accepted, caps)]

@@ -59,6 +59,13 @@ class SiblingRecord:
         self.hits += hits
 
 
+def promised(ranks: Sequence[Sequence[tuple[int, int]]], q: Sequence[Sequence[Sequence[float]]],
+             accepted: Sequence[int]) -> float:
+    """Σ q of the verified siblings (ranks[i]: `choose`'s (j, rank)) that row i's chain reached
+    (depth index j <= accepted[i]): what they promised, for `SiblingRecord.add`."""
+    return sum(q[i][j][k] for i, (row, a) in enumerate(zip(ranks, accepted)) for j, k in row if j <= a)
+
+
 def choose(chances: Sequence[Sequence[float]], q: Sequence[Sequence[Sequence[float]]], lengths: Sequence[int],
            seconds: Callable[[list[int]], float], factor: float = 1.0) -> list[list[tuple[int, int]]]:
     """Per row, the siblings to verify: (depth index j, rank k), q[i][j][k] the probability of row

@@ -12,8 +12,13 @@ verified, and each row gains one token: the run visits every position k (tokens 
 of every request, and each proposal is judged afterwards against the row's final tokens. A
 walk holds, per request and position, [cap, model accepted, lookup proposed, lookup accepted]
 (None where a part is missing), then, for a confident model part (an EAGLE head), its max q at
-each depth it drafted; each request's length, and per round what its stages took. Simulated, a
-confident model's rows are gated by those confidences (`gate.drive`), as the engine gates them.
+each depth it drafted, and for one that scores its runner-ups (`DraftProposal.runner_ups`) their
+q at each depth and the rank of the target's token among those at the depth of the first
+rejection (None: not among them, or nothing rejected); each request's length, and per round what
+its stages took. Simulated, a confident model's rows are gated by those confidences
+(`gate.drive`), as the engine gates them, and a policy with a sibling width chooses runner-ups to
+verify beside the chains (`SpecPolicy.siblings`): a row commits one token more where the chosen
+include the recorded hit, and the pass is priced with the siblings fed.
 
 Simulating a chooser (`replay.py`'s: the policy, fixed γ, the oracles): requests fill the slots
 in order; each round every resident row at position k has its recorded cap there and an offer
@@ -82,6 +87,21 @@ class Walk:
         return (RoundCosts(table, med(draft, 1.0), med(verify, 1.0), max(0.0, med(host, 0.0))), med(offer, 0.0))
 
     @property
+    def runner_up_width(self) -> int:
+        """Runner-ups recorded at each depth (0: none; siblings cannot be simulated)."""
+        return max((len(a[5][0]) for req in self.requests.values() for a in req["at"].values()
+                    if len(a) > 5 and a[5]), default=0)
+
+    def runner_ups(self, request: int, k: int, view: str) -> tuple[list[list[float]], int | None] | None:
+        """(q of the model's runner-ups at each depth it drafted, the rank of the target's token among
+        them at the first rejection's depth or None) of `request` at position k, where `view`
+        drafts it with the model and they were recorded; else None."""
+        at = self.requests[request]["at"].get(k)
+        if at is None or len(at) < 7 or (view != "model" and (view == "lookup" or at[2])):
+            return None
+        return at[5], at[6]
+
+    @property
     def confident(self) -> bool:
         """Whether its model part's confidence in each draft was recorded (a gate can be walked)."""
         return any(len(a) > 4 for req in self.requests.values() for a in req["at"].values())
@@ -143,45 +163,65 @@ def simulate(walk: Walk, choose, view: str = "model", observe=None) -> float:
     queue = sorted(walk.requests, reverse=True)
     active: list[list[int]] = []  # [request, position k]
     stats: dict[int, RequestStats] = {}
-    tokens, seconds = 0, 0.0
+    tokens, seconds, siblings = 0, 0.0, walk.runner_up_width > 0
     while queue or active:
         while queue and len(active) < slots:
             active.append([queue.pop(), 0])
         ids = [i for i, _ in active]
         caps, offer, accepted, sure = (list(x) for x in zip(*(walk.ask(i, k, view) for i, k in active)))
+        ups = [walk.runner_ups(i, k, view) for i, k in active] if siblings else [None] * len(ids)
         records = [stats.setdefault(i, RequestStats()) for i in ids]
-        lengths, asked, fed = [0] * len(ids), False, None
+        lengths, asked, fed, chosen = [0] * len(ids), False, None, None
         left = None if queue else [walk.requests[i].get("limit", walk.requests[i]["emitted"]) - k for i, k in active]
         if any(caps):
             known = {"sure": sure} if any(c is not None for c in sure) else {}  # (a walk with confidences)
+            if any(u is not None for u in ups):  # (and runner-ups: the chooser may verify some)
+                known["ups"] = [u and u[0] for u in ups]
             lengths, asked, *more = choose(ids, records, caps, offer, [False] * len(ids), accepted, costs, left=left,
                                            **known)
             fed = more[0] if more else None
+            chosen = more[1] if len(more) > 1 and more[1] and any(more[1]) else None
         got = [min(a, n) for a, n in zip(accepted, lengths)]
-        draft_s, verify_s = costs.seconds(lengths, [o is None and n > 0 for o, n in zip(offer, lengths)], fed)
+        # a sibling taken: the chain's first rejection is within the verified drafts, and the target's
+        # token there is a chosen runner-up of that depth
+        hits = [int(bool(chosen) and u is not None and a < n and (a, u[1]) in chosen[i]) for i, (a, n, u) in
+                enumerate(zip(accepted, lengths, ups))]
+        widths = [n + len(c) for n, c in zip(lengths, chosen)] if chosen else None
+        draft_s, verify_s = costs.seconds(lengths, [o is None and n > 0 for o, n in zip(offer, lengths)], fed, widths)
         for rec, a, n, o in zip(records, got, lengths, offer):
             rec.rounds += 1
             if n:
                 rec.count_drafts(a, n, o is not None)
         if observe is not None and any(caps):
-            observe(lengths, got, [o is not None for o in offer], draft_s, verify_s)
+            observe(lengths, got, [o is not None for o in offer], draft_s, verify_s,
+                    **({"fed": widths, "hits": sum(hits)} if chosen else {}))
         lookups = asked and view != "model"
         seconds += draft_s + verify_s + costs.host_s + (offer_s * len(ids) if lookups else 0.0)
-        tokens += len(ids) + sum(got)
-        for row, a in zip(active, got):
-            row[1] += 1 + a
+        tokens += len(ids) + sum(got) + sum(hits)
+        for row, a, h in zip(active, got, hits):
+            row[1] += 1 + a + h
         active = [row for row in active if row[1] < walk.requests[row[0]]["emitted"]]
     return tokens / seconds if seconds else 0.0
 
 
-def compare(walk: Walk, view: str = "model", policy: SpecPolicy | None = None) -> dict[str, float]:
+def compare(walk: Walk, view: str = "model", policy: SpecPolicy | None = None,
+            siblings: int | None = None) -> dict[str, float]:
     """Tokens per second over the walk, as `view` drafts, of the policy (default: the engine's, on
-    the walk's table), plain decoding, every fixed γ, the hindsight oracle and the clairvoyant plan."""
+    the walk's table, verifying up to `siblings` runner-ups a depth, default every one recorded:
+    the engine's default), plain decoding, every fixed γ, the hindsight oracle and the clairvoyant
+    plan (chains only, both); where runner-ups were recorded, also the policy on chains alone."""
     sources = walk.sources(view)
     confident = walk.confident and view != "lookup"
-    chooser = PolicyChooser(policy or SpecPolicy(walk.gamma, copy.deepcopy(walk.table), sources=sources,
-                                                  confident=confident))
+    width = walk.runner_up_width if view != "lookup" else 0
+    width = width if siblings is None else min(siblings, width)
+
+    def engine(w: int) -> SpecPolicy:
+        return SpecPolicy(walk.gamma, copy.deepcopy(walk.table), sources=sources, confident=confident, sibling_width=w)
+    chooser = PolicyChooser(policy or engine(width))
     out = {"policy": simulate(walk, chooser, view, chooser.observe)}
+    if policy is None and width:
+        chains = PolicyChooser(engine(0))
+        out["policy, chains"] = simulate(walk, chains, view, chains.observe)
     for k in range(walk.gamma + 1):
         out[f"fixed γ={k}" if k else "plain"] = simulate(walk, fixed(k), view)
     oracle = PolicyChooser(Hindsight(walk.gamma, walk.table, sources, walk.truth(view)))
@@ -197,14 +237,14 @@ class WalkRecorder:
     def __init__(self, probe, gamma: int, table: CostTable, meta: dict) -> None:
         self.probe, self.walk = probe, Walk(gamma, table, meta=meta)
         self._asked: list[tuple] = []  # (request, k, cap, its length then, model proposal, lookup proposal,
-        # the model's confidences)
+        # the model's confidences, its runner-ups)
 
     def record(self, batch, caps, offer, accepted, offer_s, draft_s, verify_s, round_s, fused) -> None:
         asked = self.probe.take()
         if asked is None:  # (no row could draft: nothing asked)
             return
-        for (req, at, model, lookup, sure), cap in zip(asked, caps):
-            self._asked.append((req, at - req.prompt_len, cap, at, model, lookup, sure))
+        for (req, at, model, lookup, sure, ups), cap in zip(asked, caps):
+            self._asked.append((req, at - req.prompt_len, cap, at, model, lookup, sure, ups))
         self.walk.rounds.append({"rows": len(batch), "caps": list(caps) if self.probe.model is not None else [],
                                  "offer_s": offer_s, "draft_s": draft_s, "verify_s": verify_s,
                                  "round_s": round_s, "fused": fused})
@@ -212,13 +252,18 @@ class WalkRecorder:
     def finish(self) -> Walk:
         from ..drafters.hybrid import lookup_outcome
 
-        for req, k, cap, at, model, lookup, sure in self._asked:
+        for req, k, cap, at, model, lookup, sure, ups in self._asked:
             entry = self.walk.requests.setdefault(req.index, {"emitted": req.num_generated,
                                                               "limit": req.params.max_new_tokens, "at": {}})
-            entry["at"][k] = [cap, lookup_outcome(req, at, model)[1] if model is not None else None,
-                              *(lookup_outcome(req, at, lookup) if lookup is not None else (None, None))]
+            a = lookup_outcome(req, at, model)[1] if model is not None else None
+            entry["at"][k] = [cap, a, *(lookup_outcome(req, at, lookup) if lookup is not None else (None, None))]
             if sure is not None:
                 entry["at"][k].append(sure)
+                if ups is not None:  # (their q at each depth, and the rank of the target's token at the rejection)
+                    y = req.token_ids[at + a] if a < len(model) and at + a < req.num_tokens else None
+                    tokens = [t for t, _ in ups[a]] if a < len(ups) else []
+                    entry["at"][k] += [[[round(q, 3) for _, q in depth] for depth in ups],
+                                       tokens.index(y) if y in tokens else None]
         self._asked = []
         return self.walk
 
