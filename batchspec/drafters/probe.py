@@ -13,7 +13,9 @@ part commits u + min(0, n - 1) of what it fed, a head keeps the features of the 
 
 Example, γ 2, one row holding 5 tokens whose final tokens from 5 on are [7, 8, 9]: the head
 drafts [7, 3], the lookup proposes [7, 8]; the pass commits 7 alone. Judged: the head (2
-proposed, 1 accepted), the lookup (2, 2).
+proposed, 1 accepted), the lookup (2, 2). A head also reports its runner-ups at each depth, say
+[4, 8, 5] after 3 at depth 2: the target's token there (8) is the runner-up of rank 1, which a
+sibling of rank 1 at that depth would have committed (`WalkRecorder.finish`).
 """
 
 from __future__ import annotations
