@@ -97,7 +97,7 @@ class Walk:
         them at the first rejection's depth or None) of `request` at position k, where `view`
         drafts it with the model and they were recorded; else None."""
         at = self.requests[request]["at"].get(k)
-        if at is None or len(at) < 7 or (view != "model" and (view == "lookup" or at[2])):
+        if at is None or len(at) < 7 or _looked(at, view):
             return None
         return at[5], at[6]
 
@@ -114,7 +114,7 @@ class Walk:
         if at is None:
             return 0, None, 0, None
         cap, model, proposed, got = at[:4]
-        if view == "lookup" or (view == "hybrid" and proposed):
+        if _looked(at, view):
             return cap, min(cap, proposed or 0), min(cap, got or 0), None
         sure = at[4] if len(at) > 4 else None
         return cap, None, min(cap, model or 0), None if sure is None else (sure + [0.0] * cap)[:cap]
@@ -147,6 +147,11 @@ class Walk:
             raise ValueError(f"{path}: not a walk of version {VERSION}")
         requests = {int(i): {**r, "at": {int(k): a for k, a in r["at"].items()}} for i, r in data["requests"].items()}
         return cls(data["gamma"], CostTable.from_json(data["table"]), requests, data["rounds"], data.get("meta", {}))
+
+
+def _looked(at: list, view: str) -> bool:
+    """Whether `view` drafts a position asked as `at` with its lookup (else with its model)."""
+    return view == "lookup" or (view == "hybrid" and bool(at[2]))
 
 
 def _rounded(rnd: dict) -> dict:
@@ -204,16 +209,14 @@ def simulate(walk: Walk, choose, view: str = "model", observe=None) -> float:
     return tokens / seconds if seconds else 0.0
 
 
-def compare(walk: Walk, view: str = "model", policy: SpecPolicy | None = None,
-            siblings: int | None = None) -> dict[str, float]:
+def compare(walk: Walk, view: str = "model", policy: SpecPolicy | None = None) -> dict[str, float]:
     """Tokens per second over the walk, as `view` drafts, of the policy (default: the engine's, on
-    the walk's table, verifying up to `siblings` runner-ups a depth, default every one recorded:
-    the engine's default), plain decoding, every fixed γ, the hindsight oracle and the clairvoyant
-    plan (chains only, both); where runner-ups were recorded, also the policy on chains alone."""
+    the walk's table, verifying every runner-up recorded where it pays, as the engine's default
+    does), plain decoding, every fixed γ, the hindsight oracle and the clairvoyant plan (chains
+    only, both); where runner-ups were recorded, also the policy on chains alone."""
     sources = walk.sources(view)
     confident = walk.confident and view != "lookup"
     width = walk.runner_up_width if view != "lookup" else 0
-    width = width if siblings is None else min(siblings, width)
 
     def engine(w: int) -> SpecPolicy:
         return SpecPolicy(walk.gamma, copy.deepcopy(walk.table), sources=sources, confident=confident, sibling_width=w)
