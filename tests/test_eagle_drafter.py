@@ -267,3 +267,29 @@ def test_a_speculative_loop_through_the_runner():
             ref = target.generate(torch.tensor([p]), max_new_tokens=r.num_tokens - len(p), do_sample=False,
                                   attention_mask=torch.ones(1, len(p), dtype=torch.long), pad_token_id=0)
         assert ref[0].tolist() == r.token_ids
+
+
+def test_a_greedy_draft_round_reads_nothing_back_from_the_device():
+    """Every host read of a device tensor (`int(t)`, `.item()`) makes a GPU's host wait for its
+    queue to drain, each draft step, and a small model there is bound by its host: a greedy
+    round's drafting reads nothing back (the gate, which decides on the drafts' confidence, is
+    the one reader, and it is not in this round)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.count += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    head = make_head("eagle3", 120)
+    world = World(head, [7, 9, 12])
+    drafter = EagleDrafter(head, VOCAB)
+    ends = [r.num_tokens - 1 for r in world.reqs]
+    hidden = torch.stack([world.feats[r.index][:max(ends)] for r in world.reqs])
+    drafter.prefill(world.reqs, ends, hidden)
+    greedy = BatchSampling.of([SamplingParams()] * 3, "cpu")
+    with Reads():
+        proposal = drafter.propose(world.reqs, [GAMMA] * 3, None, greedy)
+    assert proposal.tokens.shape == (3, GAMMA) and Reads.count == 0

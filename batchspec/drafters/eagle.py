@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core.request import Request
-from ..eagle.head import EagleHead
+from ..eagle.head import EagleHead, span
 from ..sampling import BatchSampling, probabilities, sample
 from .base import DraftProposal, RoundOutcome
 
@@ -86,6 +86,8 @@ class EagleDrafter:
             self.label = f"eagle ({str(dtype).removeprefix('torch.')})"
         self.dtype = head.q_proj.weight.dtype
         self._ids = head.target_ids  # [V_draft] target id of each draft id, ascending (None: the same)
+        # every draft id a real target id (read once: a device read each step would wait for the device)
+        self._within = self._ids is None or int(self._ids[-1]) < vocab_size
         self.kv = head.new_kv(rows=8, capacity=256)
         self.state: dict[int, _Row] = {}  # request index -> its row
         self.free: list[int] = []
@@ -235,15 +237,19 @@ class EagleDrafter:
                                                             else lengths[i] > j)]
                     if not at:
                         break
-                    ids = tokens[[live[k] for k in at], j - 1][:, None]
+                    every = len(at) == len(live)  # (every live row goes on: slices, no index tensors)
+                    ids = tokens[span([live[k] for k in at]), j - 1][:, None]
                     with torch.no_grad():
                         step_logits, step_out = self.head.step(
                             self.kv, [self.state[reqs[live[k]].index].slot for k in at], ids,
-                            out[at][:, None], [columns[k] + j - 1 for k in at])
-                    logits, out = logits.clone(), out.clone()
-                    logits[at], out[at] = step_logits[:, 0], step_out[:, 0]
+                            (out if every else out[at])[:, None], [columns[k] + j - 1 for k in at])
+                    if every:
+                        logits, out = step_logits[:, 0], step_out[:, 0]
+                    else:
+                        logits, out = logits.clone(), out.clone()
+                        logits[at], out[at] = step_logits[:, 0], step_out[:, 0]
                 rows = [live[k] for k in at]
-                confidence[rows, j] = self._draft(j, live, at, logits, tokens, probs, uniforms, sampling, ups)
+                confidence[span(rows), j] = self._draft(j, live, at, logits, tokens, probs, uniforms, sampling, ups)
                 if gate is not None:
                     steered = [i for i in rows if i in going]
                     if steered:
@@ -259,9 +265,9 @@ class EagleDrafter:
         their log q [len(at), V_draft] (overwritten)."""
         if not at:
             return
-        logq.scatter_(-1, best[at][:, None], float("-inf"))  # (the draft itself is not its own runner-up)
+        logq.scatter_(-1, best[span(at)][:, None], float("-inf"))  # (the draft itself is not its own runner-up)
         top = logq.topk(min(RUNNER_UPS, logq.shape[-1] - 1), dim=-1)
-        rows, width = [live[k] for k in at], top.indices.shape[-1]
+        rows, width = span([live[k] for k in at]), top.indices.shape[-1]
         ups[0][rows, j, :width] = top.indices if self._ids is None else self._ids[top.indices]
         ups[1][rows, j, :width] = top.values.exp()
 
@@ -281,12 +287,12 @@ class EagleDrafter:
         from), read off the distribution, never off the drawn token. Greedy (`ups`: runner-ups and
         their q [B, g, RUNNER_UPS]): the rows' next-best tokens at depth j too."""
         ids = self._ids
-        if probs is None and (ids is None or int(ids[-1]) < self.vocab_size):
+        if probs is None and self._within:
             # greedy: the argmax over the draft vocabulary, mapped (ids ascend: the same ties)
             scores = (logits[:, : self.vocab_size] if ids is None else logits).float()
             best = scores.argmax(-1)
-            tokens[live, j] = best if ids is None else ids[best]
-            s = scores[at]
+            tokens[span(live), j] = best if ids is None else ids[best]
+            s = scores[span(at)]
             logq = s - s.logsumexp(-1, keepdim=True)  # [len(at), V_draft]
             sure = logq.amax(-1).exp()
             if ups is not None:

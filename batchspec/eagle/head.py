@@ -34,6 +34,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from ..core.forward import FOLD_TOKENS
+
 KINDS = ("eagle", "eagle3")
 
 
@@ -132,6 +134,7 @@ class EagleHead(nn.Module):
         self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long) if reduced else None)
         self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool) if reduced else None)
         self.rotary = LlamaRotaryEmbedding(config)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE's cos, sin [positions, D] (`_angles`)
         self.embed: torch.Tensor | None = None  # [V, H] the target's, by reference (`attach`)
         self.target_head: torch.Tensor | None = None  # [V, H] the target's LM head (full vocabulary)
 
@@ -202,15 +205,30 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat([emb, hidden], dim=-1))
         return (self.input_norm(x) if self.input_norm is not None else x), x
 
-    def _qkv(self, z: torch.Tensor, positions: torch.Tensor):
-        """z [b, n, attn_in], positions [b, n] -> q [b, Hq, n, D], k, v [b, Hk, n, D] (rotated)."""
+    def _qkv(self, z: torch.Tensor, positions: torch.Tensor, upto: int):
+        """z [b, n, attn_in], positions [b, n] (all < upto) -> q [b, Hq, n, D], k, v [b, Hk, n, D] (rotated)."""
         b, n, _ = z.shape
         q = self.q_proj(z).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(z).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(z).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = self.rotary(v, positions)  # [b, n, D]
+        cos, sin = self._angles(v, positions, upto)  # [b, n, D]
         cos, sin = cos[:, None], sin[:, None]
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def _angles(self, x: torch.Tensor, positions: torch.Tensor, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's (cos, sin) [b, n, D] at positions [b, n] (< upto) in x's dtype: read off a table of every
+        position so far (HF's rotary computes each angle as one product, inv_freq x position, so
+        the table's entries are what it gives at that position; a drafting step's angles cost two
+        lookups instead of about ten operations). RoPE types that scale with the sequence's length
+        (dynamic, longrope) are computed each time."""
+        if self.rotary.rope_type in ("dynamic", "longrope"):
+            return self.rotary(x, positions)
+        table = self._table
+        if table is None or table[0].shape[0] < upto or table[0].dtype != x.dtype or table[0].device != x.device:
+            size = max(upto, 2 * table[0].shape[0] if table is not None else 256)
+            cos, sin = self.rotary(x, torch.arange(size, device=x.device)[None])
+            table = self._table = (cos[0], sin[0])
+        return table[0][positions], table[1][positions]
 
     def _finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn [b, Hq, n, D] -> the layer's output [b, n, H]."""
@@ -247,23 +265,42 @@ class EagleHead(nn.Module):
         start = torch.tensor(starts, device=device)
         positions = start[:, None] + torch.arange(n, device=device)[None]  # [b, n] columns written
         z, residual = self._inputs(tokens, hidden)
-        q, k, v = self._qkv(z, positions + 1)
-        real_b = torch.tensor([i for i, c in enumerate(counts) for _ in range(c)], dtype=torch.long, device=device)
-        real_j = torch.tensor([j for c in counts for j in range(c)], dtype=torch.long, device=device)
+        q, k, v = self._qkv(z, positions + 1, max(starts) + n + 1)  # (padding columns too)
         slots = torch.tensor(rows, dtype=torch.long, device=device)
-        cols = positions[real_b, real_j]
-        # data[0, 0] [R, Hk, C, D]: row slots[real_b] column cols <- k[real_b, :, real_j]
-        kv.data[0, 0][slots[real_b], :, cols] = k[real_b, :, real_j].to(kv.data.dtype)
-        kv.data[0, 1][slots[real_b], :, cols] = v[real_b, :, real_j].to(kv.data.dtype)
-        keys, values = kv.data[0, 0][slots, :, :width], kv.data[0, 1][slots, :, :width]  # [b, Hk, W, D]
+        if all(c == n for c in counts):  # no padding entries (a drafting step, n = 1)
+            # data[0, 0] [R, Hk, C, D]: row slots[i] column positions[i, j] <- k[i, :, j]
+            row = slots[:, None]
+            kv.data[0, 0][row, :, positions] = k.transpose(1, 2).to(kv.data.dtype)
+            kv.data[0, 1][row, :, positions] = v.transpose(1, 2).to(kv.data.dtype)
+        else:
+            real_b = torch.tensor([i for i, c in enumerate(counts) for _ in range(c)], dtype=torch.long, device=device)
+            real_j = torch.tensor([j for c in counts for j in range(c)], dtype=torch.long, device=device)
+            cols = positions[real_b, real_j]
+            # data[0, 0] [R, Hk, C, D]: row slots[real_b] column cols <- k[real_b, :, real_j]
+            kv.data[0, 0][slots[real_b], :, cols] = k[real_b, :, real_j].to(kv.data.dtype)
+            kv.data[0, 1][slots[real_b], :, cols] = v[real_b, :, real_j].to(kv.data.dtype)
+        read = span(rows)  # (consecutive rows: a view, not a gathered copy)
+        keys, values = kv.data[0, 0][read, :, :width], kv.data[0, 1][read, :, :width]  # [b, Hk, W, D]
         visible = torch.arange(width, device=device)[None, None, :] <= positions[:, :, None]  # [b, n, W]
-        attn = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=visible[:, None],
-                                              enable_gqa=self.heads != self.kv_heads)
-        out = self._finish(attn, residual)
+        out = self._finish(self._attend(q, keys.to(q.dtype), values.to(q.dtype), visible), residual)
         if last:
             at = torch.tensor(counts, device=device).clamp(min=1) - 1
             return self.logits(out[torch.arange(b, device=device), at][:, None]), out
         return self.logits(out), out
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """q [b, Hq, n, D] over keys, values [b, Hk, W, D] where visible [b, n, W] -> [b, Hq, n, D].
+        With grouped KV heads (Hq = g Hk) and few queries, the g query heads of each KV head are
+        folded into its query rows (as `LeanForward._attend` does: heads h = i g + j read KV head i):
+        `enable_gqa` beside a mask sends CUDA's SDPA to its math kernels, and a CPU repeats K and V."""
+        b, hq, n, d = q.shape
+        hk, width = keys.shape[1], keys.shape[2]
+        g = hq // hk
+        if g == 1 or n > FOLD_TOKENS:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], enable_gqa=g > 1)
+        mask = visible[:, None].expand(b, g, n, width).reshape(b, 1, g * n, width)
+        out = F.scaled_dot_product_attention(q.reshape(b, hk, g * n, d), keys, values, attn_mask=mask)
+        return out.reshape(b, hq, n, d)
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, steps: int = 1) -> list[tuple[torch.Tensor,
                                                                                                     torch.Tensor]]:
@@ -286,7 +323,7 @@ class EagleHead(nn.Module):
             if s > 0:
                 hidden = torch.cat([hidden.new_zeros(b, 1, hidden.shape[-1]), results[-1][1][:, :-1]], dim=1)
             z, residual = self._inputs(tokens, hidden)
-            q, k, v = self._qkv(z, positions)
+            q, k, v = self._qkv(z, positions, n + 1)
             keys.append(k)
             values.append(v)
             # [n, (s + 1) n]: step 0's columns e' <= e - s, then step t's column e - s + t
@@ -297,6 +334,14 @@ class EagleHead(nn.Module):
             out = self._finish(attn, residual)
             results.append((self.logits(out), out))
         return results
+
+
+def span(ids: list[int]) -> slice | list[int]:
+    """Indices as a slice where they are consecutive (the usual case): indexing by it is a view,
+    with no index tensor to build, send to the device and gather by. Example: [2, 3, 4] -> 2:5."""
+    if ids and ids[-1] - ids[0] + 1 == len(ids) and all(b == a + 1 for a, b in zip(ids, ids[1:])):
+        return slice(ids[0], ids[-1] + 1)
+    return ids
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
