@@ -12,6 +12,7 @@ from batchspec import EngineConfig, SamplingParams, SpecEngine
 from batchspec.core import rows as rows_module
 from batchspec.core.request import Request
 from batchspec.core.runner import ModelRunner
+from batchspec.sched.costs import CostTable
 
 MODEL = make_model("llama", 32, 2, seed=3)
 
@@ -99,6 +100,11 @@ def test_a_round_that_prefills_keeps_no_plain_plan_for_the_next():
     engine = oracle_engine(p, {tuple(i): r for i, r in zip(ids, refs)},
                            EngineConfig(drafter="draft_model", adaptive=True, batch_size=1, gamma=3), with_cost=True)
     engine.drafter.mismatch = lambda req, round_, pos: False  # every draft right
+    # priced by a table of its own, not by this machine's clock: how busy the machine is (another
+    # test process beside this one) must not decide whether the rounds after the first speculate
+    table = CostTable((1,), (1, 4), {(1, 1): 0.010, (1, 4): 0.011}, {1: 0.001})
+    table.correct = lambda *args, **kwargs: None
+    engine.policy.table = table
     outs = engine.generate(ids[:4], SamplingParams(max_new_tokens=MAX_NEW))
     assert [o.token_ids for o in outs] == refs[:4]
     assert engine.stats.fused_prefills == sum(len(i) > 1 for i in ids[:4])
