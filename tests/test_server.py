@@ -553,3 +553,31 @@ def test_serve_steps_the_engine_on_its_own_thread_and_stops_on_sigterm(tiny_dirs
         taken.listen()
         with pytest.raises(RuntimeError, match="did not start"):
             serve(engine, port=taken.getsockname()[1], model_name=MODEL)
+
+
+def test_a_server_drafting_with_an_eagle_head_answers_as_generate_does(tiny_dirs, tmp_path):
+    """`batchspec serve --drafter eagle:<dir>`: concurrent greedy requests, drafted by a head from
+    the target's own hidden states (random: ragged acceptance), get what `generate` gives (the
+    head's rows of features come and go with the requests)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from batchspec.eagle.formats import save_head
+    from batchspec.eagle.head import new_head
+
+    pair = load_pair(tiny_dirs["target"], need_draft=False)
+    save_head(new_head(pair.target, "eagle", seed=3), tmp_path)
+    config = EngineConfig(**{**CONFIG, "drafter": f"eagle:{tmp_path}", "adaptive": False})
+    engine = SpecEngine(pair, config)
+    prompts = PROMPTS[:12]
+    offline = SpecEngine(load_pair(tiny_dirs["target"], need_draft=False), config)
+    want = [o.text for o in offline.generate(prompts, SamplingParams(max_new_tokens=16))]
+    app = create_app(engine, model_name=MODEL, api_key=API_KEY)
+    with running(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY, max_retries=0)
+
+        def complete(prompt: str) -> str:
+            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0).choices[0].text
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(complete, prompts))
+    assert got == want
+    assert offline.stats.drafted > 0 and app.state.server.spec.stats.drafted > 0
