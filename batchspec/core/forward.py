@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kernels import ONEDNN, Plan, kernel_plan, packed_kernel, w_xt
+from .rope import RopeTable
 
 LEAN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Attention kernels allowed on CUDA: all but cuDNN's, which (by torch.profiler: docs/gpu.md) costs
@@ -299,7 +300,7 @@ class LeanForward:
         self.head_dim, self.scaling = first.head_dim, first.scaling
         self.heads = [size // self.head_dim for size in self.layers[0][1].sizes]  # q, k, v heads
         self.rotary = body.rotary_emb
-        self.cos = self.sin = None  # [P, head_dim] tables over positions 0..P-1, grown on demand
+        self.angles = RopeTable(self.rotary)  # cos, sin over positions 0..P-1, grown on demand
         fused = [f for layer in self.layers for f in (layer[1], layer[6])]
         self.lm_head = _Linear(self.head)
         linears = [m for layer in self.layers for m in (layer[1], layer[2], layer[6], layer[7])] + [self.lm_head]
@@ -330,13 +331,8 @@ class LeanForward:
     def _rope(self, positions: torch.Tensor, need: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, n, 1, head_dim] (broadcast over heads) for `positions` [B, n], all below
         `need` (known from the layout, so the device is not asked); from the model's own rotary."""
-        if self.cos is None or self.cos.shape[0] < need:
-            size = max(need, 2 * (0 if self.cos is None else self.cos.shape[0]), 256)
-            span = torch.arange(size, device=positions.device)[None]
-            with torch.no_grad():
-                cos, sin = self.rotary(self.embed[:1][None].to(dtype), span)
-            self.cos, self.sin = cos[0], sin[0]
-        return self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+        cos, sin = self.angles(positions, need, dtype)
+        return cos[:, :, None], sin[:, :, None]
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ..core.forward import FOLD_TOKENS
+from ..core.rope import RopeTable
 
 KINDS = ("eagle", "eagle3")
 
@@ -134,7 +135,7 @@ class EagleHead(nn.Module):
         self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.long) if reduced else None)
         self.register_buffer("t2d", torch.zeros(vocab, dtype=torch.bool) if reduced else None)
         self.rotary = LlamaRotaryEmbedding(config)
-        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE's cos, sin [positions, D] (`_angles`)
+        self.angles = RopeTable(self.rotary)  # RoPE's cos, sin over positions so far (`_qkv`)
         self.embed: torch.Tensor | None = None  # [V, H] the target's, by reference (`attach`)
         self.target_head: torch.Tensor | None = None  # [V, H] the target's LM head (full vocabulary)
 
@@ -211,24 +212,10 @@ class EagleHead(nn.Module):
         q = self.q_proj(z).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(z).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(z).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = self._angles(v, positions, upto)  # [b, n, D]
+        dynamic = self.rotary.rope_type in ("dynamic", "longrope")  # (angles that scale with the length)
+        cos, sin = self.rotary(v, positions) if dynamic else self.angles(positions, upto, v.dtype)  # [b, n, D]
         cos, sin = cos[:, None], sin[:, None]
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
-
-    def _angles(self, x: torch.Tensor, positions: torch.Tensor, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's (cos, sin) [b, n, D] at positions [b, n] (< upto) in x's dtype: read off a table of every
-        position so far (HF's rotary computes each angle as one product, inv_freq x position, so
-        the table's entries are what it gives at that position; a drafting step's angles cost two
-        lookups instead of about ten operations). RoPE types that scale with the sequence's length
-        (dynamic, longrope) are computed each time."""
-        if self.rotary.rope_type in ("dynamic", "longrope"):
-            return self.rotary(x, positions)
-        table = self._table
-        if table is None or table[0].shape[0] < upto or table[0].dtype != x.dtype or table[0].device != x.device:
-            size = max(upto, 2 * table[0].shape[0] if table is not None else 256)
-            cos, sin = self.rotary(x, torch.arange(size, device=x.device)[None])
-            table = self._table = (cos[0], sin[0])
-        return table[0][positions], table[1][positions]
 
     def _finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn [b, Hq, n, D] -> the layer's output [b, n, H]."""
