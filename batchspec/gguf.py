@@ -20,6 +20,7 @@ Loading a GGUF needs the `gguf` and `accelerate` packages: `pip install 'batchsp
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import importlib
 import json
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import cache_dir
+from .cache import cache_dir, locked
 
 MODELS_ENV = "BATCHSPEC_MODELS"
 INSTALL = "pip install 'batchspec[gguf]'"
@@ -134,8 +135,11 @@ def checkpoint_for(path: str | Path, dtype: torch.dtype = torch.float32,
             return out
         where = f"cached in {out}"
     require_gguf()
-    log(f"converting {path.name} to a {str(dtype).removeprefix('torch.')} checkpoint, once ({where})")
-    return convert(path, out, dtype)
+    with locked(out.parent / f".{out.name}.lock") if root is not None else contextlib.nullcontext():
+        if (out / CONFIG).is_file():  # (another process converted it while this one waited)
+            return out
+        log(f"converting {path.name} to a {str(dtype).removeprefix('torch.')} checkpoint, once ({where})")
+        return convert(path, out, dtype)
 
 
 def first_line(exc: BaseException) -> str:

