@@ -52,6 +52,10 @@ results_smollm2() {
     --twin --num-prompts 64 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_default_large.json
   batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --batch-sizes 2,4,16 \
     --twin --num-prompts 32 --max-new-tokens 32 --repeat 2 --json docs/results/smollm2_sweep.json
+  # (the README's Xeon row: the same command on such a machine)
+  batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec \
+    --batch-sizes 1,2,4,8,16,32 --twin --num-prompts 32 --max-new-tokens 32 --repeat 2 \
+    --json docs/results/smollm2_sweep_xeon.json
   batchspec trace replay tests/traces/smollm2_b1.json tests/traces/smollm2_b8.json tests/traces/smollm2_b32.json
   batchspec trace replay tests/walks/smollm2_b1.json tests/walks/smollm2_b4.json tests/walks/smollm2_b8.json tests/walks/smollm2_b32.json
   batchspec bench --target smollm2-135m --chat --prompts chat --methods autoregressive,eqspec --peers hf --twin \
