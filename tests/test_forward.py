@@ -8,7 +8,8 @@ from tiny import VOCAB, make_model, prompts, run_rows
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from batchspec import EngineConfig, ModelPair, SamplingParams, SpecEngine
-from batchspec.core.forward import HFForward, LeanForward, lean_unsupported, make_forward, matmul
+from batchspec.core.forward import HFForward, LeanForward, lean_unsupported, make_forward
+from batchspec.core.linear import matmul
 from batchspec.core.runner import row_inputs
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchspec.core import kernels
-from batchspec.core.forward import matmul
+from batchspec.core.linear import matmul
 
 
 class Clock:

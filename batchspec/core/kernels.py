@@ -1,7 +1,7 @@
 """How a linear over a few tokens runs on this CPU, chosen by measurement: which kernel, and over
 how many rows.
 
-`forward.matmul` computes x @ Wᵀ as `F.linear`, as W @ xᵀ (the weight read in its stored order)
+`linear.matmul` computes x @ Wᵀ as `F.linear`, as W @ xᵀ (the weight read in its stored order)
 or through oneDNN's inner product on a copy of the weight laid out for it once (`ONEDNN`, what
 torch's own compiler runs for a frozen CPU linear), and may add zero rows to x first: the CPU's
 BLAS kernels are blocked for some token counts and slow at the others, and which is which
@@ -107,7 +107,7 @@ _CHOSEN: dict[tuple, Plan] = {}
 
 
 class Plan(NamedTuple):
-    """How `forward.matmul` runs a linear over n tokens, 1 <= n < len(fed): over fed[n] rows (n, or
+    """How `linear.matmul` runs a linear over n tokens, 1 <= n < len(fed): over fed[n] rows (n, or
     more: zero rows added), as W @ xᵀ if n is in `mm`, through oneDNN's packed weight if n is in
     `dnn`, else as `F.linear`.
 
