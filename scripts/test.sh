@@ -5,7 +5,7 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 ruff check .
-workers=$(python -c 'import os; print(min(len(os.sched_getaffinity(0)), 4))')
+workers=$(python -c 'import os; n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(); print(min(n or 1, 4))')
 for arg in "$@"; do
     case "$arg" in -n|-n*|--numprocesses*|no:xdist) workers=1 ;; esac
 done

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kernels import kernel_plan, packed_kernel
-from .linear import VIEW_ROWS, _Fused, _Linear, _RMSNorm
+from .linear import VIEW_ROWS, FusedLinear, Linear, RMSNorm
 from .rope import RopeTable
 
 LEAN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -170,15 +170,15 @@ class LeanForward:
         body = self.body
         self.layers = []  # drop the old fused matrices (perhaps on the old device) before making new ones
         self.embed = body.embed_tokens.weight
-        self.norm = _RMSNorm(body.norm)
+        self.norm = RMSNorm(body.norm)
         for layer in body.layers:
             attn = layer.self_attn
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             self.layers.append((
-                _RMSNorm(layer.input_layernorm), _Fused(attn.q_proj, attn.k_proj, attn.v_proj), _Linear(attn.o_proj),
-                _RMSNorm(q_norm) if q_norm is not None else None, _RMSNorm(k_norm) if k_norm is not None else None,
-                _RMSNorm(layer.post_attention_layernorm), _Fused(layer.mlp.gate_proj, layer.mlp.up_proj),
-                _Linear(layer.mlp.down_proj),
+                RMSNorm(layer.input_layernorm), FusedLinear(attn.q_proj, attn.k_proj, attn.v_proj), Linear(attn.o_proj),
+                RMSNorm(q_norm) if q_norm is not None else None, RMSNorm(k_norm) if k_norm is not None else None,
+                RMSNorm(layer.post_attention_layernorm), FusedLinear(layer.mlp.gate_proj, layer.mlp.up_proj),
+                Linear(layer.mlp.down_proj),
             ))
         first = body.layers[0].self_attn
         self.head_dim, self.scaling = first.head_dim, first.scaling
@@ -186,7 +186,7 @@ class LeanForward:
         self.rotary = body.rotary_emb
         self.angles = RopeTable(self.rotary)  # cos, sin over positions 0..P-1, grown on demand
         fused = [f for layer in self.layers for f in (layer[1], layer[6])]
-        self.lm_head = _Linear(self.head)
+        self.lm_head = Linear(self.head)
         linears = [m for layer in self.layers for m in (layer[1], layer[2], layer[6], layer[7])] + [self.lm_head]
         weights = [m.weight for m in linears]
         nbytes = sum(w.numel() * w.element_size() for w in weights)
@@ -195,7 +195,7 @@ class LeanForward:
             m.pack(self.plan)
         watch = [entry for f in fused for entry in f.watch]
         if self.plan.dnn:  # (the other linears' packed copies go stale with their weights too)
-            watch += [(m.module._parameters, m.weight.data_ptr()) for m in linears if isinstance(m, _Linear)]
+            watch += [(m.module._parameters, m.weight.data_ptr()) for m in linears if isinstance(m, Linear)]
         self._params, self._ptrs = [params for params, _ in watch], [ptr for _, ptr in watch]
 
     def stale(self) -> bool:

@@ -61,7 +61,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-class _Linear:
+class Linear:
     """A linear module as the lean forward runs it: its weight as the module holds it now (it
     follows `model.to(...)`), and the copy of it laid out for oneDNN where the plan takes that
     kernel at some count (`pack`; made again when the forward re-fuses)."""
@@ -81,7 +81,7 @@ class _Linear:
         return matmul(x, self.module.weight, self.module.bias, self.plan, contiguous, self.packed)
 
 
-class _Fused:
+class FusedLinear:
     """Linears that read the same input (q/k/v, gate/up) as one matrix product.
 
     The modules' own weights become views into the fused weight, so memory is not doubled and the
@@ -107,14 +107,14 @@ class _Fused:
         # them. A dict lookup, not `lin.weight`, which goes through Module.__getattr__ (slower).
         self.watch = [(lin._parameters, lin.weight.data_ptr()) for lin in linears]
 
-    pack = _Linear.pack
+    pack = Linear.pack
 
     def __call__(self, x: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
         """All outputs side by side: [..., sum of out_features]."""
         return matmul(x, self.weight, self.bias, self.plan, contiguous, self.packed)
 
 
-class _RMSNorm:
+class RMSNorm:
     """transformers' RMSNorm: normalise in float32, cast back, then scale."""
 
     def __init__(self, module) -> None:
