@@ -247,3 +247,40 @@ def test_two_first_runs_at_once_fetch_and_convert_a_model_once(tiny_gguf, tmp_pa
     assert converts == [tmp_path / "models" / "tiny-race"] and overlaps == [1]
     with torch.no_grad():
         torch.testing.assert_close(load_pair("tiny-race").target(IDS).logits, tiny_gguf[1](IDS).logits, rtol=0, atol=0)
+
+
+def test_two_processes_converting_one_gguf_at_once_convert_it_once(tiny_gguf, tmp_path, monkeypatch):
+    """`--target model.gguf` started twice at once: one converts, the other waits and loads its
+    checkpoint (threads for processes, as above)."""
+    import threading
+    import time
+
+    from batchspec import gguf as module
+
+    monkeypatch.setenv("BATCHSPEC_MODELS", str(tmp_path / "models"))
+    converting, overlaps, real = [0], [], module.convert
+
+    def convert(*args, **kwargs):
+        converting[0] += 1
+        overlaps.append(converting[0])
+        time.sleep(0.3)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            converting[0] -= 1
+
+    monkeypatch.setattr(module, "convert", convert)
+    got, errors = [], []
+
+    def load():
+        try:
+            got.append(checkpoint_for(tiny_gguf[0], torch.float32, log=lambda message: None))
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(got) == 2 and got[0] == got[1] and overlaps == [1]
