@@ -45,7 +45,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .kernels import kernel_plan, packed_kernel
 from .linear import VIEW_ROWS, FusedLinear, Linear, RMSNorm
-from .rope import RopeTable
+from .rope import RopeTable, rotate
 
 LEAN_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Attention kernels allowed on CUDA: all but cuDNN's, which (by torch.profiler: docs/gpu.md) costs
@@ -218,11 +218,6 @@ class LeanForward:
         cos, sin = self.angles(positions, need, dtype)
         return cos[:, :, None], sin[:, :, None]
 
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
     def __call__(self, ids, positions, kv, visible, select=None, hidden=None):
         if self.stale():
             self._build()
@@ -291,8 +286,7 @@ class LeanForward:
         group = self.heads[0] // self.heads[1]
         if visible is None or group == 1 or n > FOLD_TOKENS:
             return visible
-        b, _, _, width = visible.shape
-        return visible.expand(b, group, n, width).reshape(b, 1, group * n, width)
+        return fold_mask(visible, group)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible, folded,
                 fresh: bool = False, tree: bool = False) -> torch.Tensor:
@@ -402,10 +396,10 @@ class LeanForward:
         heads = self.heads
         out = out.view(*out.shape[:-1], -1, self.head_dim)
         if q_norm is None:  # rotate q and k in one go
-            qk, v = self._rotate(out[..., :-heads[2], :], cos, sin), out[..., -heads[2]:, :]
+            qk, v = rotate(out[..., :-heads[2], :], cos, sin), out[..., -heads[2]:, :]
             return qk[..., :heads[0], :], qk[..., heads[0]:, :], v
         q, k, v = out.split(heads, dim=-2)
-        return self._rotate(q_norm(q), cos, sin), self._rotate(k_norm(k), cos, sin), v
+        return rotate(q_norm(q), cos, sin), rotate(k_norm(k), cos, sin), v
 
     def _forward_packed(self, ids, positions, kv, visible, select, packed, grab=None) -> torch.Tensor | None:
         """The same arithmetic on the real tokens only: every projection, norm and the head run on
@@ -456,6 +450,13 @@ class LeanForward:
         out = logits.new_zeros(batch * n, logits.shape[-1])
         out[packed] = logits
         return out.view(batch, n, -1)  # padding columns: zero logits
+
+
+def fold_mask(visible: torch.Tensor, group: int) -> torch.Tensor:
+    """A mask [B, 1, n, T] for queries whose `group` query heads per KV head are folded into that
+    head's query rows (heads h = i g + j read KV head i, as rows j n .. j n + n - 1): [B, 1, g n, T]."""
+    b, _, n, width = visible.shape
+    return visible.expand(b, group, n, width).reshape(b, 1, group * n, width)
 
 
 def _fresh(kv) -> bool:

@@ -33,3 +33,10 @@ class RopeTable:
                 cos, sin = self.rotary(like, torch.arange(size, device=positions.device)[None])
             self.cos, self.sin = cos[0], sin[0]
         return self.cos[positions], self.sin[positions]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE applied to x [..., D] with cos, sin broadcast to it: x cos + rotate_half(x) sin, where
+    rotate_half(x) = [-x[D/2:], x[:D/2]] (transformers' convention)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

@@ -34,8 +34,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from ..core.forward import FOLD_TOKENS
-from ..core.rope import RopeTable
+from ..core.forward import FOLD_TOKENS, fold_mask
+from ..core.rope import RopeTable, rotate
 
 KINDS = ("eagle", "eagle3")
 
@@ -215,7 +215,7 @@ class EagleHead(nn.Module):
         dynamic = self.rotary.rope_type in ("dynamic", "longrope")  # (angles that scale with the length)
         cos, sin = self.rotary(v, positions) if dynamic else self.angles(positions, upto, v.dtype)  # [b, n, D]
         cos, sin = cos[:, None], sin[:, None]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def _finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn [b, Hq, n, D] -> the layer's output [b, n, H]."""
@@ -281,12 +281,12 @@ class EagleHead(nn.Module):
         folded into its query rows (as `LeanForward._attend` does: heads h = i g + j read KV head i):
         `enable_gqa` beside a mask sends CUDA's SDPA to its math kernels, and a CPU repeats K and V."""
         b, hq, n, d = q.shape
-        hk, width = keys.shape[1], keys.shape[2]
+        hk = keys.shape[1]
         g = hq // hk
         if g == 1 or n > FOLD_TOKENS:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None], enable_gqa=g > 1)
-        mask = visible[:, None].expand(b, g, n, width).reshape(b, 1, g * n, width)
-        out = F.scaled_dot_product_attention(q.reshape(b, hk, g * n, d), keys, values, attn_mask=mask)
+        out = F.scaled_dot_product_attention(q.reshape(b, hk, g * n, d), keys, values,
+                                             attn_mask=fold_mask(visible[:, None], g))
         return out.reshape(b, hq, n, d)
 
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, steps: int = 1) -> list[tuple[torch.Tensor,
@@ -331,9 +331,6 @@ def span(ids: list[int]) -> slice | list[int]:
     return ids
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def head_config(target_config, intermediate_size: int | None = None) -> LlamaConfig:
