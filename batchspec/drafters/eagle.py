@@ -231,14 +231,16 @@ class EagleDrafter:
         if live:
             logits, out = self._enter([reqs[i] for i in live], [reqs[i].num_tokens - 1 for i in live])
             columns = [self._committed(reqs[i]) for i in live]
+            rows = live  # (the batch rows of `at`)
             for j in range(g):
                 if j > 0:
                     at = [k for k, i in enumerate(live) if (i in going if going is not None and gate.steered[i]
                                                             else lengths[i] > j)]
                     if not at:
                         break
+                    rows = [live[k] for k in at]
                     every = len(at) == len(live)  # (every live row goes on: slices, no index tensors)
-                    ids = tokens[span([live[k] for k in at]), j - 1][:, None]
+                    ids = tokens[span(rows), j - 1][:, None]
                     with torch.no_grad():
                         step_logits, step_out = self.head.step(
                             self.kv, [self.state[reqs[live[k]].index].slot for k in at], ids,
@@ -248,7 +250,6 @@ class EagleDrafter:
                     else:
                         logits, out = logits.clone(), out.clone()
                         logits[at], out[at] = step_logits[:, 0], step_out[:, 0]
-                rows = [live[k] for k in at]
                 confidence[span(rows), j] = self._draft(j, live, at, logits, tokens, probs, uniforms, sampling, ups)
                 if gate is not None:
                     steered = [i for i in rows if i in going]
